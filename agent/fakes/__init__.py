@@ -1,0 +1,1 @@
+"""Fakes that behave like the real servers, for the tests and ``spotdrain simulate``."""

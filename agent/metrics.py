@@ -1,0 +1,31 @@
+"""Prometheus helpers: one registry per program, every series present from start."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "CollectorRegistry",
+    "Counter",
+    "Gauge",
+    "Histogram",
+    "exposition",
+    "zeroed",
+]
+
+Labelled = Counter | Gauge | Histogram
+
+
+def zeroed(metric: Labelled, label: str, values: Iterable[str]) -> Labelled:
+    """Create every child of a one-label metric now, so each series exists (at zero) before its first event."""
+    for value in values:
+        metric.labels(**{label: value})
+    return metric
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

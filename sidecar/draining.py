@@ -1,0 +1,63 @@
+"""The drainer: holds the pod until its streams have ended, then releases the engine's preStop."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import structlog
+
+from agent.clock import utcnow
+from sidecar.engine_client import EngineClient
+from sidecar.handshake import DrainDir
+from sidecar.lifecycle import Lifecycle
+from sidecar.metrics import SidecarMetrics
+from sidecar.settings import DrainSettings
+from sidecar.state import Drain, Outcome, next_poll_delay, observe, streams_cut
+
+log = structlog.get_logger()
+
+# Left before a notice's deadline for the engine to get its SIGTERM and exit (120 s notice - 110 s default drain).
+ENGINE_EXIT_MARGIN = timedelta(seconds=10)
+
+
+def drain_deadline(lifecycle: Lifecycle, settings: DrainSettings, started_at: float) -> float:
+    """The loop time by which the drain ends: the drain timeout, or sooner if a notice's deadline demands it."""
+    deadline = started_at + settings.timeout_s
+    if lifecycle.notice_deadline is not None:
+        left_s = (lifecycle.notice_deadline - ENGINE_EXIT_MARGIN - utcnow()).total_seconds()
+        deadline = min(deadline, started_at + max(0.0, left_s))
+    return deadline
+
+
+async def drainer(
+    lifecycle: Lifecycle,
+    engine: EngineClient,
+    drain_dir: DrainDir,
+    settings: DrainSettings,
+    metrics: SidecarMetrics,
+) -> None:
+    """Waits for a drain to be asked, follows the engine until it ends, writes ``drained``; returns then."""
+    await lifecycle.drain_asked.wait()
+    loop = asyncio.get_running_loop()
+    started_at = loop.time()
+    drain = Drain(started_at=started_at, deadline=drain_deadline(lifecycle, settings, started_at))
+    # Until endpoints have caught up, requests may still arrive: a zero now would prove nothing.
+    await asyncio.sleep(max(0.0, min(settings.endpoint_delay_s, drain.deadline - started_at)))
+    while True:
+        drain, outcome = observe(drain, await engine.read(), stall_after_s=settings.stall_after_s)
+        if outcome is not None:
+            break
+        await asyncio.sleep(next_poll_delay(drain, loop.time(), poll_interval_s=settings.poll_interval_s))
+    _record(drain, outcome, loop.time() - started_at, metrics)
+    drain_dir.mark_drained()
+    lifecycle.finish()
+
+
+def _record(drain: Drain, outcome: Outcome, duration_s: float, metrics: SidecarMetrics) -> None:
+    cut = streams_cut(drain, outcome)
+    metrics.drains.labels(outcome=outcome.value).inc()
+    metrics.drain_duration.observe(duration_s)
+    metrics.streams_cut.inc(cut)
+    event = "drain.timeout" if outcome is Outcome.TIMEOUT else "drain.finished"
+    log.info(event, outcome=outcome.value, duration_s=round(duration_s, 3), streams_cut=cut)

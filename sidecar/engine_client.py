@@ -1,0 +1,90 @@
+"""Looking at the engine over HTTP: its health, and one reading of its metrics page and open connections."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiohttp
+import structlog
+
+from sidecar.engines import MetricsError, read_engine
+from sidecar.metrics import SidecarMetrics
+from sidecar.netstat import established_connections
+from sidecar.settings import EngineSettings
+from sidecar.state import Reading
+
+log = structlog.get_logger()
+
+# Ask for the classic text format: OpenMetrics would also parse, but this is what every engine serves by default.
+ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+
+
+def engine_session() -> aiohttp.ClientSession:
+    """A session that closes each connection after its request: a kept-alive scrape connection of our own
+    would look like a client still holding a stream open."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+class EngineClient:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        settings: EngineSettings,
+        metrics: SidecarMetrics,
+        *,
+        timeout_s: float = 2.0,
+        connections: Callable[[int], int | None] = established_connections,
+    ) -> None:
+        self.session = session
+        self.settings = settings
+        self.spec = settings.spec
+        self.metrics = metrics
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.connections = connections
+        self.last_error: str | None = None
+
+    async def healthy(self) -> tuple[bool, str]:
+        try:
+            async with self.session.get(
+                self.settings.url + self.settings.health_path, timeout=self.timeout
+            ) as response:
+                if response.status == 200:
+                    return True, "ok"
+                return False, f"engine health answered HTTP {response.status}"
+        except (TimeoutError, aiohttp.ClientError) as error:
+            return False, f"engine unreachable: {type(error).__name__}"
+
+    async def read(self) -> Reading:
+        """One reading; a part that cannot be read is None, and the failure is logged once and counted."""
+        # Count connections before scraping, so the scrape's own connection is never among them.
+        connections = self.connections(self.settings.port)
+        loop = asyncio.get_running_loop()
+        try:
+            page = await self._page()
+            reading = read_engine(page, self.spec)
+        except MetricsError as error:
+            self._failed(error.kind, str(error))
+            return Reading(at=loop.time(), in_flight=None, connections=connections)
+        if self.last_error is not None:
+            log.info("engine.read_recovered", after=self.last_error)
+            self.last_error = None
+        self.metrics.in_flight.set(reading.in_flight)
+        return Reading(at=loop.time(), in_flight=reading.in_flight, tokens=reading.tokens, connections=connections)
+
+    async def _page(self) -> str:
+        try:
+            async with self.session.get(
+                self.settings.url + "/metrics", headers={"Accept": ACCEPT}, timeout=self.timeout
+            ) as response:
+                if response.status != 200:
+                    raise MetricsError("http", f"metrics page answered HTTP {response.status}")
+                return await response.text(errors="replace")
+        except (TimeoutError, aiohttp.ClientError) as error:
+            raise MetricsError("unreachable", f"metrics page unreachable: {type(error).__name__}: {error}") from None
+
+    def _failed(self, kind: str, message: str) -> None:
+        self.metrics.read_errors.labels(kind=kind).inc()
+        if message != self.last_error:
+            log.warning("engine.read_failed", kind=kind, error=message)
+        self.last_error = message

@@ -1,0 +1,125 @@
+"""Reading an engine's in-flight count from its Prometheus page: pure functions, cheap on a 300 KB page.
+
+The page is scanned with ``str.find`` for the few series we need instead of being parsed whole: a vLLM page with
+many histograms is mostly lines we would throw away.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class MetricsError(ValueError):
+    """The page does not give an in-flight count. ``kind`` is ``missing`` or ``malformed`` (a metric label)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which series make up in-flight: ``required`` must be on the page, ``optional`` count 0 when absent."""
+
+    name: str
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    tokens: str | None = None  # a counter that moves while tokens are generated
+    health_path: str = "/health"
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "vllm": EngineSpec(
+        "vllm",
+        required=("vllm:num_requests_running",),
+        optional=("vllm:num_requests_waiting",),
+        tokens="vllm:generation_tokens_total",
+    ),
+    "tgi": EngineSpec(
+        "tgi",
+        required=("tgi_batch_current_size",),
+        optional=("tgi_queue_size",),
+        tokens="tgi_batch_inference_count",  # one per forward pass; TGI has no per-token counter
+    ),
+    "sglang": EngineSpec(
+        "sglang",
+        required=("sglang:num_running_reqs",),
+        optional=("sglang:num_queue_reqs",),
+        tokens="sglang:realtime_tokens_total",  # generation_tokens_total only moves when a request ends
+    ),
+}
+
+
+def custom_engine(metrics: str, *, tokens: str | None = None, health_path: str = "/health") -> EngineSpec:
+    """A configured engine: ``metrics`` is one metric name or several separated by commas, summed."""
+    names = tuple(name.strip() for name in metrics.split(",") if name.strip())
+    if not names:
+        raise ValueError("the custom engine needs at least one in-flight metric name")
+    return EngineSpec("custom", required=names, tokens=tokens, health_path=health_path)
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    in_flight: int
+    tokens: float | None
+
+
+_SEPARATORS = (" ", "\t", "{")
+
+
+def _sample_value(line: str, name: str) -> float:
+    """The value of one sample line that follows the metric name (labels, value, optional timestamp)."""
+    rest = line
+    if rest.startswith("{"):
+        # Label values may hold any character, but the value and timestamp after the last brace cannot.
+        close = rest.rfind("}")
+        if close == -1:
+            raise MetricsError("malformed", f"{name}: unterminated label set")
+        rest = rest[close + 1 :]
+    fields = rest.split()
+    if not 1 <= len(fields) <= 2:
+        raise MetricsError("malformed", f"{name}: expected a value, got {rest.strip()[:40]!r}")
+    try:
+        value = float(fields[0])
+    except ValueError:
+        raise MetricsError("malformed", f"{name}: {fields[0][:40]!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise MetricsError("malformed", f"{name}: {fields[0]} is not a count")
+    return value
+
+
+def sum_samples(page: str, name: str) -> float | None:
+    """Sum every sample of ``name`` over all label sets; None when the page has no sample of it."""
+    total = 0.0
+    found = False
+    needle = "\n" + name
+    # A sample at the very start of the page has no newline before it.
+    at = -1 if page.startswith(name) else page.find(needle)
+    while at != -1:
+        begin = at + len(needle)
+        if page[begin : begin + 1] in _SEPARATORS:
+            end = page.find("\n", begin)
+            total += _sample_value(page[begin : len(page) if end == -1 else end], name)
+            found = True
+        at = page.find(needle, begin)
+    return total if found else None
+
+
+def read_engine(page: str, engine: EngineSpec) -> EngineReading:
+    """In-flight requests (running plus queued) and the token counter, from one metrics page."""
+    in_flight = 0.0
+    for name in engine.required:
+        value = sum_samples(page, name)
+        if value is None:
+            raise MetricsError("missing", f"{name} is not on the metrics page")
+        in_flight += value
+    for name in engine.optional:
+        in_flight += sum_samples(page, name) or 0.0
+    tokens = sum_samples(page, engine.tokens) if engine.tokens else None
+    return EngineReading(in_flight=round(in_flight), tokens=tokens)
+
+
+def in_flight(page: str, engine: EngineSpec) -> int:
+    """Requests the engine is serving or has queued; raises MetricsError rather than guess a zero."""
+    return read_engine(page, engine).in_flight

@@ -1,0 +1,103 @@
+"""``spotdrain sidecar``: build the pieces, run the roles, exit 0 once drained and told to terminate."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+
+from agent.kube_rest import InCluster
+from agent.metrics import CollectorRegistry
+from agent.probes import probe_app, serve
+from agent.settings import log_effective
+from agent.tasks import Role, Supervisor, on_signals
+from sidecar.draining import drainer
+from sidecar.engine_client import EngineClient, engine_session
+from sidecar.gate import gate_keeper
+from sidecar.handshake import DrainDir
+from sidecar.lifecycle import Lifecycle
+from sidecar.metrics import SidecarMetrics
+from sidecar.notices import notice_watcher
+from sidecar.settings import SidecarSettings
+from sidecar.state import Phase
+
+log = structlog.get_logger()
+
+# How long the preStop script waits for the sidecar beyond the drain timeout, should the sidecar be gone.
+PRESTOP_SLACK_S = 15.0
+
+
+async def prestop_watcher(drain_dir: DrainDir, lifecycle: Lifecycle, *, interval_s: float) -> None:
+    """Polls for the file the engine's preStop creates; asks for a drain when it appears, and returns."""
+    while not lifecycle.drain_asked.is_set():
+        if drain_dir.drain_requested():
+            lifecycle.ask_drain("prestop")
+            return
+        await asyncio.sleep(interval_s)
+
+
+async def terminator(lifecycle: Lifecycle, stop: asyncio.Event) -> None:
+    """On SIGTERM, drains (holding termination) and stops the program once drained."""
+    await lifecycle.terminated.wait()
+    lifecycle.ask_drain("sigterm")
+    await lifecycle.drained.wait()
+    log.info("sidecar.exiting", reason=lifecycle.reason)
+    stop.set()
+
+
+async def run(settings: SidecarSettings, *, ready_flag: asyncio.Event | None = None) -> int:
+    """Run the sidecar until it has drained and received SIGTERM; returns the exit code."""
+    log_effective("sidecar", settings)
+    registry = CollectorRegistry()
+    metrics = SidecarMetrics.create(registry)
+    lifecycle = Lifecycle(metrics)
+    drain_dir = DrainDir(settings.drain.dir)
+    # The preStop script must exist before /ready first answers 200.
+    if drain_dir.prepare(limit_s=settings.drain.timeout_s + PRESTOP_SLACK_S):
+        lifecycle.ask_drain("prestop")
+    stop = asyncio.Event()
+    on_signals(lambda sig: lifecycle.terminated.set(), signal.SIGTERM, signal.SIGINT)
+
+    async with engine_session() as session:
+        engine = EngineClient(session, settings.engine, metrics)
+
+        async def ready() -> tuple[bool, str]:
+            if lifecycle.phase is not Phase.SERVING:
+                return False, lifecycle.phase.value
+            return await engine.healthy()
+
+        interval = settings.drain.poll_interval_s
+        app = probe_app(registry, ready=ready)
+        roles: list[Role] = [
+            ("probe_server", serve(app, host=settings.host, port=settings.port, ready_flag=ready_flag)),
+            ("prestop_watcher", prestop_watcher(drain_dir, lifecycle, interval_s=interval)),
+            ("drainer", drainer(lifecycle, engine, drain_dir, settings.drain, metrics)),
+            ("terminator", terminator(lifecycle, stop)),
+        ]
+        if settings.drain.notice_url:
+            roles.append(
+                (
+                    "notice_watcher",
+                    notice_watcher(session, settings.drain.notice_url, lifecycle, metrics, interval_s=interval),
+                )
+            )
+        if settings.gate.enabled:
+            assert settings.gate.pod_namespace is not None
+            assert settings.gate.pod_name is not None
+            roles.append(
+                (
+                    "gate_keeper",
+                    gate_keeper(
+                        session,
+                        InCluster.from_environment(settings.gate.serviceaccount_dir),
+                        namespace=settings.gate.pod_namespace,
+                        pod=settings.gate.pod_name,
+                        lifecycle=lifecycle,
+                        metrics=metrics,
+                    ),
+                )
+            )
+        one_shot = {"prestop_watcher", "drainer", "notice_watcher", "gate_keeper"}
+        ok = await Supervisor(stop).run(roles, one_shot=one_shot)
+    return 0 if ok else 1
