@@ -4,8 +4,8 @@ Deadlines, by kind (all UTC):
 
 | kind | where from | deadline |
 | --- | --- | --- |
-| spot-interruption | IMDS spot/instance-action, EventBridge Spot warning | the action's ``time`` (IMDS) or event time + 120 s |
-| rebalance-recommendation | IMDS rebalance, EventBridge rebalance | notice time + 120 s (the earliest a warning could end) |
+| spot-interruption | IMDS spot/instance-action, EventBridge warning | ``time`` (IMDS) or event time + 120 s |
+| rebalance-recommendation | IMDS rebalance, EventBridge rebalance | notice time + 120 s (earliest possible end) |
 | scheduled-maintenance | IMDS events/maintenance/scheduled | the event's ``NotBefore`` |
 | asg-termination | IMDS target-lifecycle-state, ASG lifecycle hook | detection / event time + the ASG drain budget |
 | instance-stopping / instance-terminating | EventBridge state-change | the event time (it is happening now) |
