@@ -7,6 +7,7 @@ many histograms is mostly lines we would throw away.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -89,20 +90,26 @@ def _sample_value(line: str, name: str) -> float:
     return value
 
 
+def _line_starts(page: str, name: str) -> Iterator[int]:
+    """Offsets just past ``name`` wherever it begins a line."""
+    if page.startswith(name):
+        yield len(name)
+    needle = "\n" + name
+    at = page.find(needle)
+    while at != -1:
+        yield at + len(needle)
+        at = page.find(needle, at + len(needle))
+
+
 def sum_samples(page: str, name: str) -> float | None:
     """Sum every sample of ``name`` over all label sets; None when the page has no sample of it."""
     total = 0.0
     found = False
-    needle = "\n" + name
-    # A sample at the very start of the page has no newline before it.
-    at = -1 if page.startswith(name) else page.find(needle)
-    while at != -1:
-        begin = at + len(needle)
+    for begin in _line_starts(page, name):
         if page[begin : begin + 1] in _SEPARATORS:
             end = page.find("\n", begin)
             total += _sample_value(page[begin : len(page) if end == -1 else end], name)
             found = True
-        at = page.find(needle, begin)
     return total if found else None
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each module measures one target and prints a JSON result."""

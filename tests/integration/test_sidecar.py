@@ -1,0 +1,207 @@
+"""The sidecar's loops in this process, against the fake engine and small servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from aiohttp import web
+from structlog.testing import capture_logs
+
+from agent.cli import build_parser
+from agent.fakes.engine import EngineConfig
+from agent.fakes.processes import free_port, stream
+from sidecar.main import run
+from sidecar.settings import from_arguments
+from tests.conftest import running_engine, scrape, status_of
+
+
+class Sidecar:
+    def __init__(self, port: int, drain_dir: Path, task: asyncio.Task[int]) -> None:
+        self.port = port
+        self.drain_dir = drain_dir
+        self.task = task
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def metric(self, name: str) -> float | None:
+        return await scrape(self.url + "/metrics", name)
+
+    async def ready(self) -> int:
+        return (await status_of(self.url + "/ready"))[0]
+
+    async def wait_drained(self, timeout_s: float) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not (self.drain_dir / "drained").exists():
+                await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def sidecar(tmp_path: Path, engine_port: int, *flags: str) -> AsyncIterator[Sidecar]:
+    """Run ``spotdrain sidecar`` in this loop; on leaving, SIGTERM ends it if the test has not."""
+    port = free_port()
+    argv: Sequence[str] = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--drain-dir", str(tmp_path)]
+    # Short defaults that a test's own flags override (argparse keeps the last value).
+    argv = [*argv, "--engine-url", f"http://127.0.0.1:{engine_port}", "--endpoint-delay", "0.1", "--drain-timeout", "2"]
+    argv = [*argv, *flags]
+    ready = asyncio.Event()
+    task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), 5)
+    try:
+        yield Sidecar(port, tmp_path, task)
+    finally:
+        if not task.done():
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.wait_for(task, 15)
+
+
+async def test_every_series_exists_from_start_at_zero(tmp_path: Path) -> None:
+    async with running_engine(EngineConfig()) as engine, sidecar(tmp_path, engine) as car:
+        assert await car.metric("spotdrain_sidecar_state") == 1
+        for name in (
+            "spotdrain_sidecar_in_flight",
+            "spotdrain_sidecar_drains_total",
+            "spotdrain_sidecar_streams_cut_total",
+            "spotdrain_sidecar_read_errors_total",
+            "spotdrain_sidecar_drain_duration_seconds_count",
+            "spotdrain_sidecar_readiness_gate_errors_total",
+            "spotdrain_sidecar_notice_errors_total",
+        ):
+            assert await car.metric(name) == 0, name
+        assert (tmp_path / "prestop").exists()
+
+
+async def test_ready_follows_the_engines_health(tmp_path: Path) -> None:
+    async with running_engine(EngineConfig()) as engine:
+        async with sidecar(tmp_path, engine) as car:
+            assert await car.ready() == 200
+        async with sidecar(tmp_path, free_port()) as car:
+            status, reason = await status_of(car.url + "/ready")
+            assert (status, reason.strip()) == (503, "engine unreachable: ClientConnectorError")
+
+
+async def test_the_prestop_file_drains_the_pod_and_drained_comes_after_the_last_stream(tmp_path: Path) -> None:
+    async with (
+        running_engine(EngineConfig(tokens_per_s=100)) as engine,
+        sidecar(tmp_path, engine, "--poll-interval", "0.1") as car,
+    ):
+        streams = [asyncio.create_task(stream(engine, max_tokens=n)) for n in (30, 60)]
+        await asyncio.sleep(0.1)
+        (tmp_path / "drain").touch()
+        await asyncio.sleep(0.2)
+        assert await car.ready() == 503
+        results = await asyncio.gather(*streams)
+        ended = asyncio.get_running_loop().time()
+        assert [len(r) for r in results] == [31, 61]
+        assert all(r[-1] == "[DONE]" for r in results)
+        await car.wait_drained(2)
+        assert asyncio.get_running_loop().time() - ended < 0.5
+        assert not car.task.done(), "without SIGTERM the sidecar stays, drained"
+        assert await car.metric('spotdrain_sidecar_drains_total{outcome="drained"}') == 1
+        assert await car.metric("spotdrain_sidecar_drains_total") == 1
+        assert await car.metric("spotdrain_sidecar_streams_cut_total") == 0
+    assert car.task.result() == 0
+
+
+async def notice_server(answers: list[tuple[int, str]]) -> tuple[web.AppRunner, str]:
+    """A node agent's notice endpoint that gives ``answers`` in turn, then repeats the last."""
+
+    async def notice(_: web.Request) -> web.Response:
+        status, body = answers.pop(0) if len(answers) > 1 else answers[0]
+        return web.Response(status=status, text=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/notice", notice)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}/v1/notice"
+
+
+async def test_a_definitive_notice_drains_but_a_rebalance_recommendation_does_not(tmp_path: Path) -> None:
+    rebalance = '{"id":"1","kind":"rebalance-recommendation","deadline":"2099-01-01T00:00:00Z","source":"imds"}'
+    spot = '{"id":"2","kind":"spot-interruption","deadline":"2099-01-01T00:00:00Z","source":"imds"}'
+    answers = [(204, ""), (500, "oops"), (200, rebalance), (200, rebalance), (200, spot)]
+    runner, url = await notice_server(answers)
+    try:
+        async with running_engine(EngineConfig()) as engine:
+            flags = ("--notice-url", url, "--poll-interval", "0.05")
+            with capture_logs() as logs:
+                async with sidecar(tmp_path, engine, *flags) as car:
+                    await car.wait_drained(3)
+                    assert await car.metric("spotdrain_sidecar_notice_errors_total") == 1
+        started = [e for e in logs if e["event"] == "drain.started"]
+        assert [e["reason"] for e in started] == ["notice:spot-interruption"]
+    finally:
+        await runner.cleanup()
+
+
+async def metrics_server(status: int, body: str) -> tuple[web.AppRunner, int]:
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(status=status, text=body)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
+async def test_an_unreadable_metrics_page_never_ends_a_drain_early(tmp_path: Path) -> None:
+    for status, body, kind in ((500, "", "http"), (200, "garbage{{{", "missing")):
+        runner, port = await metrics_server(status, body)
+        try:
+            flags = ("--poll-interval", "0.05", "--drain-timeout", "0.8")
+            async with sidecar(tmp_path / kind, port, *flags) as car:
+                started = asyncio.get_running_loop().time()
+                (car.drain_dir / "drain").touch()
+                await car.wait_drained(3)
+                assert asyncio.get_running_loop().time() - started >= 0.7
+                assert (await car.metric(f'spotdrain_sidecar_read_errors_total{{kind="{kind}"}}') or 0) >= 5
+                assert await car.metric("spotdrain_sidecar_drains_total") == 1
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_gauge_stuck_after_clients_left_ends_as_a_stall(tmp_path: Path) -> None:
+    async with running_engine(EngineConfig(tokens_per_s=50, leak_disconnected=True)) as engine:
+        gone = asyncio.create_task(stream(engine, max_tokens=1000))
+        await asyncio.sleep(0.2)
+        gone.cancel()
+        flags = ("--poll-interval", "0.05", "--stall-after", "0.5", "--drain-timeout", "20")
+        with capture_logs() as logs:
+            async with sidecar(tmp_path, engine, *flags) as car:
+                (tmp_path / "drain").touch()
+                await car.wait_drained(5)
+        finished = [e for e in logs if e["event"] == "drain.finished"]
+        assert finished[0]["outcome"] == "stalled"
+        assert finished[0]["duration_s"] < 3
+
+
+async def test_streams_longer_than_the_timeout_are_cut_and_counted(tmp_path: Path) -> None:
+    async with running_engine(EngineConfig(tokens_per_s=20)) as engine:
+        streams = [asyncio.create_task(stream(engine, max_tokens=400)) for _ in range(3)]
+        await asyncio.sleep(0.2)
+        flags = ("--poll-interval", "0.1", "--drain-timeout", "0.6")
+        with capture_logs() as logs:
+            async with sidecar(tmp_path, engine, *flags) as car:
+                (tmp_path / "drain").touch()
+                await car.wait_drained(3)
+                assert await car.metric("spotdrain_sidecar_streams_cut_total") == 3
+                assert await car.metric('spotdrain_sidecar_drains_total{outcome="timeout"}') == 1
+        for task in streams:
+            task.cancel()
+        assert [e["streams_cut"] for e in logs if e["event"] == "drain.timeout"] == [3]

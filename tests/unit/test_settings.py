@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.cli import build_parser, main
+from agent.settings import SettingsError, env_name
+from sidecar.settings import SidecarSettings, from_arguments
+
+
+def settings_for(*argv: str) -> SidecarSettings:
+    return from_arguments(build_parser().parse_args(["sidecar", *argv]))
+
+
+def test_every_flag_reads_its_spotdrain_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTDRAIN_POLL_INTERVAL", "0.2")
+    monkeypatch.setenv("SPOTDRAIN_ENGINE", "tgi")
+    monkeypatch.setenv("SPOTDRAIN_READINESS_GATE", "false")
+    settings = settings_for()
+    assert settings.drain.poll_interval_s == 0.2
+    assert settings.engine.kind == "tgi"
+    assert settings.gate.enabled is False
+
+
+def test_a_flag_wins_over_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTDRAIN_DRAIN_TIMEOUT", "30")
+    assert settings_for("--drain-timeout", "45.5").drain.timeout_s == 45.5
+
+
+def test_env_names_follow_the_flag() -> None:
+    assert env_name("--in-flight-metric") == "SPOTDRAIN_IN_FLIGHT_METRIC"
+
+
+def test_defaults_match_the_documented_ones() -> None:
+    settings = settings_for()
+    assert settings.engine.url == "http://127.0.0.1:8000"
+    assert settings.engine.port == 8000
+    assert settings.drain.dir == Path("/run/spotdrain")
+    assert (settings.drain.timeout_s, settings.drain.endpoint_delay_s, settings.drain.poll_interval_s) == (110, 5, 0.5)
+
+
+def test_a_bad_variable_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPOTDRAIN_POLL_INTERVAL", "soon")
+    with pytest.raises(SettingsError, match="SPOTDRAIN_POLL_INTERVAL='soon'"):
+        build_parser()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine", "custom"], "--engine custom needs --in-flight-metric"),
+        (["--poll-interval", "0"], "--poll-interval must be above 0"),
+        (["--readiness-gate", "--pod-namespace", "ns"], "--readiness-gate needs --pod-name"),
+    ],
+)
+def test_invalid_combinations_are_refused_with_the_reason(argv: list[str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        settings_for(*argv)
+
+
+def test_pod_identity_comes_from_the_downward_api_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "vllm-0")
+    monkeypatch.setenv("POD_NAMESPACE", "inference")
+    settings = settings_for("--readiness-gate")
+    assert (settings.gate.pod_name, settings.gate.pod_namespace) == ("vllm-0", "inference")
+
+
+def test_the_command_exits_2_with_a_clear_message(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTDRAIN_STALL_AFTER", "-3")
+    assert main(["sidecar"]) == 2
+    assert "SPOTDRAIN_STALL_AFTER='-3'" in capsys.readouterr().err
+
+
+def test_bad_urls_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sidecar", "--engine-url", "localhost:8000"])
+    assert "not an http(s) URL" in capsys.readouterr().err
