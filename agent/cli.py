@@ -24,6 +24,19 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     return asyncio.run(run(from_arguments(args)))
 
 
+def _node(parser: argparse.ArgumentParser) -> None:
+    from daemonset.settings import add_arguments
+
+    add_arguments(parser)
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from daemonset.main import run
+    from daemonset.settings import from_arguments
+
+    return asyncio.run(run(from_arguments(args)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spotdrain", description="Keep LLM token streams alive when Spot GPU nodes are reclaimed."
@@ -36,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _sidecar(sidecar)
     sidecar.set_defaults(run=_run_sidecar)
+    node = commands.add_parser(
+        "node", help="the node agent: act on interruption notices from IMDS or SQS (taint, cordon, evict)"
+    )
+    _node(node)
+    node.set_defaults(run=_run_node)
     return parser
 
 

@@ -1,0 +1,146 @@
+"""``spotdrain node``: read notices (IMDS on a node, or SQS in queue mode) and act on them until told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+
+import aiohttp
+import structlog
+
+from agent.clock import utcnow
+from agent.metrics import CollectorRegistry
+from agent.probes import probe_app, serve
+from agent.ratelimit import RateLimiter
+from agent.retry import ApiError
+from agent.settings import log_effective
+from agent.tasks import Role, Supervisor, on_signals
+from daemonset.board import NoticeBoard
+from daemonset.eviction import Drainer, DrainPolicy
+from daemonset.handler import HandlerPolicy, NodeHandler
+from daemonset.metrics import AgentMetrics
+from daemonset.nodes import DryRunActions, KubeActions, NodeActions, NodeIndex, api_client
+from daemonset.notice import Notice
+from daemonset.settings import NodeSettings
+
+log = structlog.get_logger()
+
+
+async def dispatcher(notices: AsyncIterator[Notice], handler: NodeHandler) -> None:
+    """Hands each notice to the handler in a task of its own, so one long drain holds up no other notice.
+
+    Runs as long as its source does (for ever, in practice); a handler that fails is logged and its notice handed
+    back to its source, never allowed to stop the agent.
+    """
+
+    async def guarded(notice: Notice) -> None:
+        try:
+            await handler.handle(notice)
+        except Exception:
+            log.exception("notice.handler_failed", notice=notice.id)
+            if notice.ack is not None:
+                await notice.ack.retry("the handler failed")
+
+    async with asyncio.TaskGroup() as group:
+        async for notice in notices:
+            group.create_task(guarded(notice), name=f"notice-{notice.id}")
+
+
+async def startup_check(actions: NodeActions, settings: NodeSettings, ready: asyncio.Event) -> None:
+    """Reads this node (or, in queue mode, the node list) until the API answers; then the agent is ready."""
+    while True:
+        try:
+            if settings.node_name is not None and not settings.queue_mode:
+                if await actions.get_node(settings.node_name) is None:
+                    raise ApiError(404, f"node {settings.node_name} not found")
+            else:
+                await actions.list_nodes()
+        except ApiError as error:
+            log.warning("startup.api_not_ready", error=str(error))
+            await asyncio.sleep(2)
+            continue
+        ready.set()
+        log.info("startup.ready", node=settings.node_name, queue_mode=settings.queue_mode)
+        return
+
+
+def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: CollectorRegistry) -> AsyncIterator[Notice]:
+    if settings.queue_mode:
+        from daemonset.sqs import SqsMetrics, SqsSource
+
+        assert settings.sqs.queue_url is not None
+        assert settings.sqs.region is not None
+        return SqsSource(
+            queue_url=settings.sqs.queue_url,
+            region=settings.sqs.region,
+            endpoint_url=settings.sqs.endpoint_url,
+            max_receives=settings.sqs.max_receives,
+            metrics=SqsMetrics.create(registry),
+            visibility_timeout_s=max(30.0, settings.drain.heartbeat_s * 3),
+        ).notices()
+    from daemonset.imds import ImdsMetrics, ImdsSource
+
+    return ImdsSource(
+        session=http,
+        base_url=settings.imds.url,
+        interval_s=settings.imds.interval_s,
+        allow_v1=settings.imds.allow_v1,
+        metrics=ImdsMetrics(registry),
+    ).notices()
+
+
+async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None) -> int:
+    """Run the node agent until SIGTERM; returns the exit code."""
+    log_effective("node", settings)
+    registry = CollectorRegistry()
+    metrics = AgentMetrics.create(registry)
+    stop = asyncio.Event()
+    on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+    ready = asyncio.Event()
+
+    async def readiness() -> tuple[bool, str]:
+        return (True, "ok") if ready.is_set() else (False, "waiting for the Kubernetes API")
+
+    async with api_client(settings.kube.kubeconfig) as api, aiohttp.ClientSession() as http:
+        limiter = RateLimiter(qps=settings.kube.qps, burst=settings.kube.burst)
+        actions: NodeActions = KubeActions(
+            api, limiter=limiter, on_error=lambda error: metrics.api_errors.labels(kind=error.kind).inc()
+        )
+        if settings.drain.dry_run:
+            actions = DryRunActions(actions)
+        queue_mode = settings.queue_mode
+        board = NoticeBoard(local_node=None if queue_mode else settings.node_name)
+        agent_pod = (
+            (settings.pod_namespace, settings.pod_name) if settings.pod_name and settings.pod_namespace else None
+        )
+        handler = NodeHandler(
+            actions,
+            Drainer(actions, policy=DrainPolicy(settings.drain.margin_s, agent_pod), metrics=metrics, clock=utcnow),
+            policy=HandlerPolicy(
+                evict=settings.drain.evict,
+                eviction_delay_s=settings.drain.eviction_delay_s,
+                heartbeat_s=settings.drain.heartbeat_s,
+            ),
+            metrics=metrics,
+            clock=utcnow,
+            board=board,
+            local_node=None if queue_mode else settings.node_name,
+            index=NodeIndex(actions) if queue_mode else None,
+        )
+        roles: list[Role] = [
+            (
+                "probe_server",
+                serve(probe_app(registry, ready=readiness), host=settings.host, port=settings.metrics_port),
+            ),
+            (
+                "notice_server",
+                serve(
+                    board.app(), host=settings.host, port=settings.notice_port, name="notices", ready_flag=ready_flag
+                ),
+            ),
+            ("startup_check", startup_check(actions, settings, ready)),
+            ("dispatcher", dispatcher(_source(settings, http, registry), handler)),
+        ]
+        ok = await Supervisor(stop).run(roles, one_shot={"startup_check"})
+    return 0 if ok else 1
