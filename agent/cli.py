@@ -3,38 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib
 import sys
 from collections.abc import Sequence
 
 from agent.logs import configure_logging
 from agent.settings import SettingsError, add_flag
 
-
-def _sidecar(parser: argparse.ArgumentParser) -> None:
-    from sidecar.settings import add_arguments
-
-    add_arguments(parser)
-
-
-def _run_sidecar(args: argparse.Namespace) -> int:
-    from sidecar.main import run
-    from sidecar.settings import from_arguments
-
-    return asyncio.run(run(from_arguments(args)))
-
-
-def _node(parser: argparse.ArgumentParser) -> None:
-    from daemonset.settings import add_arguments
-
-    add_arguments(parser)
-
-
-def _run_node(args: argparse.Namespace) -> int:
-    from daemonset.main import run
-    from daemonset.settings import from_arguments
-
-    return asyncio.run(run(from_arguments(args)))
+# name: (help, module with add_arguments(parser), module with main(args) -> int). Modules load only when needed,
+# so the sidecar never imports what the node agent needs.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "sidecar": (
+        "run beside an inference engine: own readiness, hold termination until streams end",
+        "sidecar.settings",
+        "sidecar.main",
+    ),
+    "node": (
+        "the node agent: act on interruption notices from IMDS or SQS (taint, cordon, evict)",
+        "daemonset.settings",
+        "daemonset.main",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,16 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--log-format", default="auto", choices=("auto", "json", "console"), help="log output")
     add_flag(parser, "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sidecar = commands.add_parser(
-        "sidecar", help="run beside an inference engine: own readiness, hold termination until streams end"
-    )
-    _sidecar(sidecar)
-    sidecar.set_defaults(run=_run_sidecar)
-    node = commands.add_parser(
-        "node", help="the node agent: act on interruption notices from IMDS or SQS (taint, cordon, evict)"
-    )
-    _node(node)
-    node.set_defaults(run=_run_node)
+    for name, (help_text, arguments, _) in COMMANDS.items():
+        importlib.import_module(arguments).add_arguments(commands.add_parser(name, help=help_text))
     return parser
 
 
@@ -63,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
         configure_logging(json=json_logs, level=args.log_level)
-        code: int = args.run(args)
+        code: int = importlib.import_module(COMMANDS[args.command][2]).main(args)
     except SettingsError as error:
         command = " ".join(a for a in (sys.argv[1:2] if argv is None else list(argv)[:1]))
         print(f"spotdrain {command}: error: {error}".replace("  ", " "), file=sys.stderr)

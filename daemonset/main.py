@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from daemonset.handler import HandlerPolicy, NodeHandler
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import DryRunActions, KubeActions, NodeActions, NodeIndex, api_client
 from daemonset.notice import Notice
-from daemonset.settings import NodeSettings
+from daemonset.settings import NodeSettings, from_arguments
 
 log = structlog.get_logger()
 
@@ -144,3 +145,7 @@ async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None
         ]
         ok = await Supervisor(stop).run(roles, one_shot={"startup_check"})
     return 0 if ok else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(run(from_arguments(args)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 
@@ -19,7 +20,7 @@ from sidecar.handshake import DrainDir
 from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
 from sidecar.notices import notice_watcher
-from sidecar.settings import SidecarSettings
+from sidecar.settings import SidecarSettings, from_arguments
 from sidecar.state import Phase
 
 log = structlog.get_logger()
@@ -101,3 +102,7 @@ async def run(settings: SidecarSettings, *, ready_flag: asyncio.Event | None = N
         one_shot = {"prestop_watcher", "drainer", "notice_watcher", "gate_keeper"}
         ok = await Supervisor(stop).run(roles, one_shot=one_shot)
     return 0 if ok else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(run(from_arguments(args)))
