@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from agent.retry import ApiError, retry_after
+from agent.retry import ApiError, api_message, retry_after
 from agent.settings import SettingsError
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
@@ -69,17 +69,10 @@ async def patch(
             if response.status >= 400:
                 raise ApiError(
                     response.status,
-                    _message(payload),
+                    api_message(payload),
                     retry_after_s=retry_after(response.headers.get("Retry-After")),
                 )
             result: dict[str, Any] = json.loads(payload) if payload else {}
             return result
     except (aiohttp.ClientError, TimeoutError, OSError) as error:
         raise ApiError(0, f"{type(error).__name__}: {error}") from error
-
-
-def _message(payload: str) -> str:
-    try:
-        return str(json.loads(payload).get("message", payload))[:300]
-    except (ValueError, AttributeError):
-        return payload[:300]

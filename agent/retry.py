@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
@@ -38,6 +39,14 @@ class ApiError(Exception):
         if self.status == 429:
             return "throttled"
         return "server" if self.status >= 500 else "client"
+
+
+def api_message(body: str) -> str:
+    """The ``message`` of a Kubernetes ``Status`` body, or the start of whatever else came back."""
+    try:
+        return str(json.loads(body).get("message") or body)[:300]
+    except (ValueError, AttributeError):
+        return body[:300]
 
 
 def retry_after(header: str | None) -> float | None:

@@ -16,7 +16,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent.clock import rfc3339, utcnow
 from agent.ratelimit import RateLimiter
-from agent.retry import ApiError, retry_after
+from agent.retry import ApiError, api_message, retry_after
 from daemonset.planning import Node, Pod, instance_id_of
 
 log = structlog.get_logger()
@@ -122,9 +122,20 @@ class KubeActions:
         await self._raw(lambda: self.core.create_namespaced_event("default", body, _preload_content=False))
 
     async def _raw(self, make: Callable[[], Awaitable[Any]]) -> Any:
-        """Call with ``_preload_content=False`` and decode the JSON ourselves: plain dicts, no model classes."""
+        """Call with ``_preload_content=False`` and decode the JSON ourselves: plain dicts, no model classes.
+
+        Without preloading, kubernetes-asyncio hands back error answers as they are: their status is checked here.
+        """
         response = await self._call(make)
         async with response:
+            if not 200 <= response.status < 300:
+                failure = ApiError(
+                    response.status,
+                    api_message(await response.text()),
+                    retry_after_s=retry_after(response.headers.get("Retry-After")),
+                )
+                self.on_error(failure)
+                raise failure
             return await response.json()
 
 

@@ -1,0 +1,177 @@
+"""``spotdrain node`` in this process, against the fake IMDS and the fake Kubernetes API on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from agent.cli import build_parser
+from agent.clock import rfc3339, utcnow
+from agent.fakes.imds import FakeImds, serving
+from agent.fakes.kube import FakeKube
+from agent.fakes.processes import free_port
+from daemonset.main import run
+from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
+from daemonset.settings import from_arguments
+from tests.conftest import status_of
+
+INSTANCE = "i-0123456789abcdef0"
+GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    async with FakeKube() as fake:
+        fake.add_node("gpu-1", provider_id=f"aws:///us-east-1a/{INSTANCE}", taints=[GPU_TAINT])
+        fake.add_pod("ml", "vllm-0", node="gpu-1", labels={"app": "vllm"}, owner_kind="ReplicaSet", grace_period_s=130)
+        fake.add_pod("ml", "vllm-1", node="gpu-1", labels={"app": "vllm"}, owner_kind="ReplicaSet", grace_period_s=130)
+        fake.add_pod("kube-system", "fluent-bit-x", node="gpu-1", owner_kind="DaemonSet")
+        fake.add_pod("kube-system", "spotdrain-abc", node="gpu-1", owner_kind="DaemonSet")
+        fake.add_pod("ml", "other-node-pod", node="gpu-2")
+        fake.on_delete(containers_exit_soon(fake))
+        yield fake
+
+
+def containers_exit_soon(kube: FakeKube) -> Callable[[dict[str, Any], int], Awaitable[None]]:
+    """As the kubelet does once a pod's containers have exited: the pod goes before its grace period ends."""
+
+    async def exit_soon(pod: dict[str, Any], grace_s: int) -> None:
+        await asyncio.sleep(min(grace_s, 0.3))
+        with contextlib.suppress(KeyError, LookupError):
+            kube.remove_pod(pod["metadata"]["namespace"], pod["metadata"]["name"])
+
+    return exit_soon
+
+
+@asynccontextmanager
+async def agent(kube: FakeKube, imds_url: str, tmp_path: Path, *flags: str) -> AsyncIterator[int]:
+    """Run the node agent in this loop; yields its notice port. SIGTERM stops it on leaving."""
+    notice_port = free_port()
+    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    argv = ["node", "--node-name", "gpu-1", "--kubeconfig", str(kubeconfig), "--imds-url", imds_url]
+    argv += ["--host", "127.0.0.1", "--metrics-port", str(free_port()), "--notice-port", str(notice_port)]
+    argv += ["--imds-interval", "0.1", "--eviction-delay", "0.1", *flags]
+    ready = asyncio.Event()
+    task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        yield notice_port
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 10) == 0
+
+
+async def until(check: Callable[[], bool], *, timeout_s: float = 10) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+def cordoned(kube: FakeKube) -> bool:
+    return bool(kube.node("gpu-1")["spec"].get("unschedulable"))
+
+
+async def test_a_spot_notice_taints_cordons_publishes_and_evicts(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE)
+    deadline = utcnow().replace(microsecond=0) + timedelta(seconds=120)
+    async with serving(imds) as url, agent(kube, url, tmp_path) as notice_port:
+        notice_url = f"http://127.0.0.1:{notice_port}/v1/notice"
+        assert (await status_of(notice_url))[0] == 204
+        imds.schedule_spot("terminate", deadline)
+        await until(lambda: cordoned(kube))
+        node = kube.node("gpu-1")
+        assert {"key": TAINT_KEY, "value": "spot-interruption", "effect": "NoSchedule"} in node["spec"]["taints"]
+        assert node["metadata"]["annotations"][TERMINATION_TIME] == rfc3339(deadline)
+        status, body = await status_of(notice_url)
+        assert status == 200
+        assert '"kind": "spot-interruption"' in body
+        await until(lambda: kube.pod("ml", "vllm-0") is None and kube.pod("ml", "vllm-1") is None)
+        assert kube.pod("kube-system", "fluent-bit-x") is not None
+        assert kube.pod("ml", "other-node-pod") is not None
+        assert all(0 < d.grace_s <= 115 for d in kube.deletions)
+        assert [e["reason"] for e in kube.events()] == ["InterruptionNotice"]
+        pods_listed = [c for c in kube.calls if c.method == "GET" and c.path == "/api/v1/pods"]
+        assert pods_listed
+        assert all(c.query.get("fieldSelector") == "spec.nodeName=gpu-1" for c in pods_listed)
+
+
+async def test_evictions_held_by_a_disruption_budget_go_through_once_it_allows(kube: FakeKube, tmp_path: Path) -> None:
+    kube.add_pdb("ml", "vllm", selector={"app": "vllm"}, min_available=2)
+    kube.add_pod("ml", "vllm-2", node="gpu-2", labels={"app": "vllm"}, owner_kind="ReplicaSet")
+
+    async def replace_elsewhere(pod: dict[str, Any], grace_s: int) -> None:
+        # The Deployment's replacement becomes Ready on another node a moment after the pod has gone.
+        await asyncio.sleep(0.5)
+        kube.add_pod("ml", pod["metadata"]["name"] + "-new", node="gpu-2", labels={"app": "vllm"})
+
+    kube.on_delete(replace_elsewhere)
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+    with capture_logs() as logs:
+        async with serving(imds) as url, agent(kube, url, tmp_path):
+            await until(lambda: len(kube.deletions) == 1)
+            await asyncio.sleep(0.3)
+            assert len(kube.deletions) == 1, "the budget lets one go at a time"
+            await until(lambda: kube.pod("ml", "vllm-0") is None and kube.pod("ml", "vllm-1") is None, timeout_s=15)
+    assert any(e["event"] == "pod.eviction_blocked" for e in logs)
+
+
+async def test_a_restart_mid_drain_resumes_without_marking_twice(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+    async with serving(imds) as url:
+        async with agent(kube, url, tmp_path, "--no-evict"):
+            await until(lambda: cordoned(kube))
+        patches = kube.count("PATCH", "/api/v1/nodes/{name}")
+        async with agent(kube, url, tmp_path):
+            await until(lambda: kube.pod("ml", "vllm-0") is None and kube.pod("ml", "vllm-1") is None)
+        assert kube.count("PATCH", "/api/v1/nodes/{name}") == patches == 1
+        assert len(kube.events()) == 1
+
+
+async def test_a_canceled_maintenance_event_removes_only_what_the_agent_added(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.add_maintenance(code="system-reboot", event_id="instance-event-0d59937288b749b32",
+                         not_before=utcnow() + timedelta(hours=2))  # fmt: skip
+    async with serving(imds) as url, agent(kube, url, tmp_path, "--no-evict"):
+        await until(lambda: cordoned(kube))
+        assert kube.node("gpu-1")["metadata"]["annotations"][ADDED] == "cordon,taint"
+        imds.set_maintenance_state("instance-event-0d59937288b749b32", "canceled")
+        await until(lambda: not cordoned(kube))
+        assert kube.node("gpu-1")["spec"]["taints"] == [GPU_TAINT]
+        assert ADDED not in (kube.node("gpu-1")["metadata"].get("annotations") or {})
+
+
+async def test_api_errors_are_retried_and_counted(kube: FakeKube, tmp_path: Path) -> None:
+    kube.fail_next("PATCH", r"^/api/v1/nodes/gpu-1$", 500, count=2)
+    kube.fail_next("POST", r"/eviction$", 429, count=1, retry_after=0.2)
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+    async with serving(imds) as url, agent(kube, url, tmp_path, "--metrics-port", str(port := free_port())):
+        await until(lambda: kube.pod("ml", "vllm-0") is None and kube.pod("ml", "vllm-1") is None)
+        _, page = await status_of(f"http://127.0.0.1:{port}/metrics")
+    assert 'spotdrain_api_errors_total{kind="server"} 2.0' in page
+    assert 'spotdrain_api_errors_total{kind="throttled"} 1.0' in page
+    assert 'spotdrain_notices_total{kind="spot-interruption",source="imds"} 1.0' in page
+
+
+async def test_a_dry_run_changes_nothing_in_the_cluster(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+    with capture_logs() as logs:
+        async with serving(imds) as url, agent(kube, url, tmp_path, "--dry-run"):
+            await until(lambda: any(e["event"] == "node.drained" for e in logs))
+    assert not cordoned(kube)
+    assert kube.pod("ml", "vllm-0") is not None
+    assert kube.events() == []
+    assert {c.method for c in kube.calls} == {"GET"}
