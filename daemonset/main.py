@@ -77,6 +77,7 @@ def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: Colle
             region=settings.sqs.region,
             endpoint_url=settings.sqs.endpoint_url,
             max_receives=settings.sqs.max_receives,
+            wait_time_s=settings.sqs.wait_time_s,
             metrics=SqsMetrics.create(registry),
             visibility_timeout_s=max(30.0, settings.drain.heartbeat_s * 3),
         ).notices()

@@ -21,6 +21,7 @@ class SqsSettings:
     region: str | None
     endpoint_url: str | None
     max_receives: int
+    wait_time_s: float
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5,
         help="receives of a message for an unknown instance before it is dropped",
     )
+    add_flag(parser, "--sqs-wait-time", convert=seconds, default=20.0, help="SQS long-polling wait, at most 20 s")
     add_flag(parser, "--kubeconfig", aliases=("KUBECONFIG",), help="kubeconfig file (default: in-cluster)")
     add_flag(parser, "--api-qps", convert=float, default=10.0, help="Kubernetes API calls per second")
     add_flag(parser, "--api-burst", convert=_positive_int, default=20, help="Kubernetes API calls in a burst")
@@ -119,6 +121,7 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
     require(not queue_mode or bool(args.aws_region), "--queue-url needs --aws-region (or AWS_REGION)")
     require(args.imds_interval > 0, "--imds-interval must be above 0 seconds")
     require(args.api_qps > 0, "--api-qps must be above 0")
+    require(args.sqs_wait_time <= 20, "--sqs-wait-time must be at most 20 seconds (the SQS limit)")
     require(args.heartbeat_interval > 0, "--heartbeat-interval must be above 0 seconds")
     return NodeSettings(
         node_name=args.node_name,
@@ -130,6 +133,7 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
             region=args.aws_region,
             endpoint_url=args.aws_endpoint_url,
             max_receives=args.max_receives,
+            wait_time_s=args.sqs_wait_time,
         ),
         drain=DrainSettings(
             evict=args.evict,

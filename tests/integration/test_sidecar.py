@@ -9,11 +9,13 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
 from agent.cli import build_parser
 from agent.fakes.engine import EngineConfig
+from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port, stream
 from sidecar.main import run
 from sidecar.settings import from_arguments
@@ -205,3 +207,54 @@ async def test_streams_longer_than_the_timeout_are_cut_and_counted(tmp_path: Pat
         for task in streams:
             task.cancel()
         assert [e["streams_cut"] for e in logs if e["event"] == "drain.timeout"] == [3]
+
+
+async def test_the_readiness_gate_is_true_while_serving_and_false_once_draining(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeKube() as kube:
+        kube.add_node("gpu-1")
+        kube.add_pod("ml", "vllm-0", node="gpu-1", readiness_gates=["spotdrain.io/serving"])
+        for name, value in kube.service_env().items():
+            monkeypatch.setenv(name, value)
+        account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
+        flags = ("--readiness-gate", "--pod-name", "vllm-0", "--serviceaccount-dir", str(account))
+
+        def gate() -> str | None:
+            pod = kube.pod("ml", "vllm-0") or {}
+            found = [c for c in pod["status"].get("conditions", []) if c["type"] == "spotdrain.io/serving"]
+            return found[0]["status"] if found else None
+
+        async with running_engine(EngineConfig()) as engine, sidecar(tmp_path / "run", engine, *flags) as car:
+            async with asyncio.timeout(5):
+                while gate() != "True":
+                    await asyncio.sleep(0.02)
+            (car.drain_dir / "drain").touch()
+            async with asyncio.timeout(5):
+                while gate() != "False":
+                    await asyncio.sleep(0.02)
+            patches = [c for c in kube.calls if c.method == "PATCH"]
+            assert {c.path for c in patches} == {"/api/v1/namespaces/ml/pods/vllm-0/status"}
+            assert await car.metric("spotdrain_sidecar_readiness_gate_errors_total") == 0
+
+
+async def test_a_gate_the_api_refuses_is_retried_counted_and_never_stops_the_sidecar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeKube() as kube:
+        kube.add_node("gpu-1")
+        kube.add_pod("ml", "vllm-0", node="gpu-1")
+        kube.fail_next("PATCH", r"/status$", 503, count=2)
+        kube.fail_next("PATCH", r"/status$", 403, count=1)
+        for name, value in kube.service_env().items():
+            monkeypatch.setenv(name, value)
+        account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
+        flags = ("--readiness-gate", "--pod-name", "vllm-0", "--serviceaccount-dir", str(account))
+        with capture_logs() as logs:
+            async with running_engine(EngineConfig()) as engine, sidecar(tmp_path / "run", engine, *flags) as car:
+                async with asyncio.timeout(5):
+                    while not any(e["event"] == "pod.readiness_gate_failed" for e in logs):
+                        await asyncio.sleep(0.02)
+                assert await car.metric("spotdrain_sidecar_readiness_gate_errors_total") == 3
+                assert await car.ready() == 200
+                assert not car.task.done()

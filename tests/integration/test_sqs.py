@@ -5,18 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-import boto3
 import pytest
 from structlog.testing import capture_logs
 
 from agent.metrics import CollectorRegistry
 from daemonset.notice import Kind, Notice
 from daemonset.sqs import SqsMetrics, SqsSource
-from tests.moto_server import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
+from tests.moto_server import REGION, MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
@@ -90,38 +89,6 @@ KINDS = {
     "sns-spot": (sns(spot()), Kind.SPOT_INTERRUPTION),
     "sns-asg-direct": (sns(ASG_DIRECT), Kind.ASG_TERMINATION),
 }
-
-
-@pytest.fixture(scope="module")
-def moto() -> Iterator[MotoServer]:
-    server = MotoServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(autouse=True)
-def aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The source finds credentials the way it does in a pod: boto3's default chain, here the environment.
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-
-
-@pytest.fixture
-def sqs(moto: MotoServer) -> SQSClient:
-    return boto3.client(
-        "sqs",
-        region_name=REGION,
-        endpoint_url=moto.endpoint_url,
-        aws_access_key_id=ACCESS_KEY_ID,
-        aws_secret_access_key=SECRET_ACCESS_KEY,
-    )
-
-
-@pytest.fixture
-def queue(sqs: SQSClient) -> str:
-    return sqs.create_queue(QueueName=f"interruptions-{uuid.uuid4().hex[:12]}")["QueueUrl"]
 
 
 @pytest.fixture

@@ -1,0 +1,178 @@
+"""``spotdrain node`` in queue mode: EventBridge, SNS and ASG messages from moto's SQS, acted on in the fake API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from agent.cli import build_parser
+from agent.clock import rfc3339, utcnow
+from agent.fakes.kube import FakeKube
+from agent.fakes.processes import free_port
+from daemonset.main import run
+from daemonset.planning import TAINT_KEY
+from daemonset.settings import from_arguments
+from tests.conftest import status_of
+from tests.moto_server import REGION, MotoServer
+
+if TYPE_CHECKING:
+    from mypy_boto3_sqs import SQSClient
+
+
+# Pods take this long to go once evicted, as when their containers exit.
+EXIT_S = 0.8
+
+
+def envelope(detail_type: str, detail: dict[str, Any], source: str = "aws.ec2") -> str:
+    return json.dumps(
+        {
+            "version": "0",
+            "id": str(uuid.uuid4()),
+            "detail-type": detail_type,
+            "source": source,
+            "account": "123456789012",
+            "time": rfc3339(utcnow().replace(microsecond=0)),
+            "region": REGION,
+            "resources": [],
+            "detail": detail,
+        }
+    )
+
+
+def spot(instance: str) -> str:
+    return envelope("EC2 Spot Instance Interruption Warning", {"instance-id": instance, "instance-action": "terminate"})
+
+
+def lifecycle(instance: str, token: str) -> str:
+    return json.dumps(
+        {
+            "Service": "AWS Auto Scaling",
+            "Time": rfc3339(utcnow()),
+            "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
+            "EC2InstanceId": instance,
+            "LifecycleActionToken": token,
+            "LifecycleHookName": "spotdrain",
+            "AutoScalingGroupName": "gpu-nodes",
+        }
+    )
+
+
+@asynccontextmanager
+async def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path) -> AsyncIterator[int]:
+    notice_port = free_port()
+    argv = ["node", "--queue-url", queue, "--aws-region", REGION, "--aws-endpoint-url", moto.endpoint_url]
+    argv += ["--kubeconfig", str(kube.write_kubeconfig(tmp_path / "kubeconfig")), "--sqs-wait-time", "1"]
+    argv += ["--host", "127.0.0.1", "--metrics-port", str(free_port()), "--notice-port", str(notice_port)]
+    argv += ["--eviction-delay", "0.1", "--api-qps", "200", "--api-burst", "100"]
+    ready = asyncio.Event()
+    task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        yield notice_port
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 15) == 0
+
+
+async def until(check: Callable[[], bool], *, timeout_s: float = 15) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.05)
+
+
+def messages_left(sqs: SQSClient, queue: str) -> int:
+    attributes = sqs.get_queue_attributes(
+        QueueUrl=queue, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
+    )["Attributes"]
+    return int(attributes["ApproximateNumberOfMessages"]) + int(attributes["ApproximateNumberOfMessagesNotVisible"])
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    async with FakeKube() as fake:
+        for index in range(1, 5):
+            fake.add_node(f"gpu-{index}", provider_id=f"aws:///{REGION}a/i-000000000000000{index}")
+            fake.add_pod("ml", f"vllm-{index}", node=f"gpu-{index}", owner_kind="ReplicaSet")
+
+        def exit_soon(pod: dict[str, Any], grace_s: int) -> None:
+            asyncio.get_running_loop().call_later(
+                0.2, fake.remove_pod, pod["metadata"]["namespace"], pod["metadata"]["name"]
+            )
+
+        fake.on_delete(exit_soon)
+        yield fake
+
+
+async def test_every_delivery_kind_drains_its_node_and_is_deleted_once_done(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    token = str(uuid.uuid4())
+    sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
+    sns = {"Type": "Notification", "MessageId": "m-1", "Message": spot("i-0000000000000002")}
+    sqs.send_message(QueueUrl=queue, MessageBody=json.dumps(sns))
+    sqs.send_message(QueueUrl=queue, MessageBody=lifecycle("i-0000000000000003", token))
+    sqs.send_message(QueueUrl=queue, MessageBody=json.dumps({"Event": "autoscaling:TEST_NOTIFICATION"}))
+    sqs.send_message(QueueUrl=queue, MessageBody="{not json")
+    async with queue_agent(kube, moto, queue, tmp_path) as notice_port:
+        await until(lambda: all(kube.pod("ml", f"vllm-{i}") is None for i in (1, 2, 3)))
+        await until(lambda: messages_left(sqs, queue) == 0)
+        status, body = await status_of(f"http://127.0.0.1:{notice_port}/v1/notice?node=gpu-2")
+        assert status == 200
+        assert json.loads(body)["source"] == "sqs"
+        assert (await status_of(f"http://127.0.0.1:{notice_port}/v1/notice?node=gpu-4"))[0] == 204
+        assert (await status_of(f"http://127.0.0.1:{notice_port}/v1/notice"))[0] == 400
+    for index in (1, 2, 3):
+        node = kube.node(f"gpu-{index}")
+        assert node["spec"]["unschedulable"] is True
+        assert any(t["key"] == TAINT_KEY for t in node["spec"]["taints"])
+    assert "unschedulable" not in kube.node("gpu-4")["spec"]
+    assert kube.pod("ml", "vllm-4") is not None
+    completed = moto.calls("CompleteLifecycleAction")
+    assert len(completed) == 1
+    assert completed[0].params["LifecycleActionToken"] == token
+    assert completed[0].params["LifecycleActionResult"] == "CONTINUE"
+    assert len(moto.calls("DeleteMessage")) == 5
+    nodes_listed = [c for c in kube.calls if c.method == "GET" and c.path == "/api/v1/nodes"]
+    assert 1 <= len(nodes_listed) <= 3, "instance ids are mapped through a cached node list, not one LIST each"
+
+
+async def test_a_lifecycle_action_is_completed_only_after_the_pods_are_gone(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    token = str(uuid.uuid4())
+    sqs.send_message(QueueUrl=queue, MessageBody=lifecycle("i-0000000000000004", token))
+    async with queue_agent(kube, moto, queue, tmp_path):
+        await until(lambda: bool(kube.deletions))
+        assert moto.calls("CompleteLifecycleAction", LifecycleActionToken=token) == []
+        await until(lambda: len(moto.calls("CompleteLifecycleAction", LifecycleActionToken=token)) == 1)
+        assert kube.pod("ml", "vllm-4") is None, "the instance may go only once its pods have"
+
+
+async def test_an_event_within_its_deadline_is_timed_from_the_event_not_from_receipt(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
+    async with queue_agent(kube, moto, queue, tmp_path):
+        await until(lambda: kube.pod("ml", "vllm-1") is None)
+    annotation = kube.node("gpu-1")["metadata"]["annotations"]["spotdrain.io/termination-time"]
+    assert (
+        abs(
+            (
+                utcnow() + timedelta(seconds=120) - __import__("agent.clock").clock.parse_rfc3339(annotation)
+            ).total_seconds()
+        )
+        < 10
+    )
