@@ -4,6 +4,7 @@ until the deadline, then wait until the evicted pods are gone."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +20,14 @@ from daemonset.planning import Eviction, plan_drain, skip_reason
 log = structlog.get_logger()
 
 PDB_BACKOFF_S = (1.0, 2.0, 3.0, 5.0)
-GONE_POLL_S = 2.0
+GONE_POLL_S = (0.5, 1.0, 2.0)  # then every 2 s: most pods go quickly once drained, a few take long
 
 
 @dataclass(frozen=True)
 class DrainPolicy:
     margin_s: float  # evicted pods' grace ends this long before the deadline
     agent_pod: tuple[str, str] | None  # (namespace, name) of the agent itself, never evicted
+    delay_s: float = 0.0  # sidecars poll the notice endpoint: give them a moment before pods are evicted
 
 
 class Drainer:
@@ -50,6 +52,8 @@ class Drainer:
         )
         skipped = {_key(p): r for p in pods if (r := skip_reason(p, agent_pod=self.policy.agent_pod)) is not None}
         log.info("node.draining", node=node, notice=notice_id, evict=len(plan), skipped=skipped)
+        if plan:
+            await asyncio.sleep(self.policy.delay_s)
         accepted = await asyncio.gather(*(self._evict(e, deadline=deadline) for e in plan))
         waiting = {f"{e.namespace}/{e.name}" for e, ok in zip(plan, accepted, strict=True) if ok}
         took = await self._wait_gone(node, waiting, deadline=deadline, started=started)
@@ -91,6 +95,7 @@ class Drainer:
     ) -> dict[str, float | None]:
         loop = asyncio.get_running_loop()
         took: dict[str, float | None] = dict.fromkeys(waiting)
+        pauses = itertools.chain(GONE_POLL_S, itertools.repeat(GONE_POLL_S[-1]))
         while waiting:
             try:
                 present = {_key(p) for p in await self.actions.pods_on(node)}
@@ -103,7 +108,7 @@ class Drainer:
             waiting &= present
             if not waiting or self._left_s(deadline) <= 0:
                 break
-            await asyncio.sleep(min(GONE_POLL_S, max(0.05, self._left_s(deadline))))
+            await asyncio.sleep(min(next(pauses), max(0.05, self._left_s(deadline))))
         return took
 
     def _left_s(self, deadline: datetime) -> float:

@@ -36,7 +36,6 @@ class NodeGone(Exception):
 @dataclass(frozen=True)
 class HandlerPolicy:
     evict: bool
-    eviction_delay_s: float  # sidecars poll the notice endpoint: give them a moment before pods are evicted
     heartbeat_s: float  # how often a long drain tells the notice's source it is still at work
 
 
@@ -130,7 +129,6 @@ class NodeHandler:
         if self.board is not None:
             self.board.publish(node, notice)
         if self.policy.evict:
-            await asyncio.sleep(self.policy.eviction_delay_s)
             async with self._heartbeats(notice):
                 await self.drainer.drain(node, deadline=notice.deadline, notice_id=notice.id)
 

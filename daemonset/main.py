@@ -78,6 +78,7 @@ def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: Colle
             endpoint_url=settings.sqs.endpoint_url,
             max_receives=settings.sqs.max_receives,
             wait_time_s=settings.sqs.wait_time_s,
+            max_in_flight=settings.sqs.max_in_flight,
             metrics=SqsMetrics.create(registry),
             visibility_timeout_s=max(30.0, settings.drain.heartbeat_s * 3),
         ).notices()
@@ -118,12 +119,13 @@ async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None
         )
         handler = NodeHandler(
             actions,
-            Drainer(actions, policy=DrainPolicy(settings.drain.margin_s, agent_pod), metrics=metrics, clock=utcnow),
-            policy=HandlerPolicy(
-                evict=settings.drain.evict,
-                eviction_delay_s=settings.drain.eviction_delay_s,
-                heartbeat_s=settings.drain.heartbeat_s,
+            Drainer(
+                actions,
+                policy=DrainPolicy(settings.drain.margin_s, agent_pod, delay_s=settings.drain.eviction_delay_s),
+                metrics=metrics,
+                clock=utcnow,
             ),
+            policy=HandlerPolicy(evict=settings.drain.evict, heartbeat_s=settings.drain.heartbeat_s),
             metrics=metrics,
             clock=utcnow,
             board=board,

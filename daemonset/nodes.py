@@ -6,6 +6,7 @@ limiter and API errors come out as ``ApiError`` (see agent.retry), so the handle
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
@@ -170,27 +171,37 @@ class DryRunActions:
 
 
 class NodeIndex:
-    """Instance id to node name, from ``spec.providerID``; refreshed from a LIST when an id is not known."""
+    """Instance id to node name, from ``spec.providerID``; refreshed from a LIST when an id is not known.
+
+    Lookups that arrive while a LIST is under way wait for it rather than start their own, and a miss right after
+    a LIST does not list again (a burst of notices for instances that are not nodes must not flood the API).
+    """
 
     def __init__(self, actions: NodeActions, *, min_refresh_s: float = 5.0) -> None:
         self.actions = actions
         self.by_instance: dict[str, str] = {}
         self.min_refresh_s = min_refresh_s
         self._refreshed_at: float | None = None
-        self._refreshing: Awaitable[None] | None = None
+        self._refreshing: asyncio.Task[None] | None = None
 
     async def node_for(self, instance_id: str, *, now: float) -> str | None:
-        if instance_id not in self.by_instance and (
-            self._refreshed_at is None or now - self._refreshed_at >= self.min_refresh_s
-        ):
-            await self._refresh(now)
+        if instance_id not in self.by_instance:
+            if self._refreshing is None and (
+                self._refreshed_at is None or now - self._refreshed_at >= self.min_refresh_s
+            ):
+                self._refreshing = asyncio.create_task(self._refresh(now))
+            if self._refreshing is not None:
+                await asyncio.shield(self._refreshing)
         return self.by_instance.get(instance_id)
 
     async def _refresh(self, now: float) -> None:
-        self._refreshed_at = now
-        nodes = await self.actions.list_nodes()
-        self.by_instance = {iid: n["metadata"]["name"] for n in nodes if (iid := instance_id_of(n)) is not None}
-        log.debug("nodes.indexed", nodes=len(self.by_instance))
+        try:
+            nodes = await self.actions.list_nodes()
+            self._refreshed_at = now
+            self.by_instance = {iid: n["metadata"]["name"] for n in nodes if (iid := instance_id_of(n)) is not None}
+            log.debug("nodes.indexed", nodes=len(self.by_instance))
+        finally:
+            self._refreshing = None
 
 
 @asynccontextmanager

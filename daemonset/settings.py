@@ -22,6 +22,7 @@ class SqsSettings:
     endpoint_url: str | None
     max_receives: int
     wait_time_s: float
+    max_in_flight: int
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="receives of a message for an unknown instance before it is dropped",
     )
     add_flag(parser, "--sqs-wait-time", convert=seconds, default=20.0, help="SQS long-polling wait, at most 20 s")
+    add_flag(parser, "--sqs-max-in-flight", convert=_positive_int, default=200, help="messages handled at once")
     add_flag(parser, "--kubeconfig", aliases=("KUBECONFIG",), help="kubeconfig file (default: in-cluster)")
     add_flag(parser, "--api-qps", convert=float, default=10.0, help="Kubernetes API calls per second")
     add_flag(parser, "--api-burst", convert=_positive_int, default=20, help="Kubernetes API calls in a burst")
@@ -134,6 +136,7 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
             endpoint_url=args.aws_endpoint_url,
             max_receives=args.max_receives,
             wait_time_s=args.sqs_wait_time,
+            max_in_flight=args.sqs_max_in_flight,
         ),
         drain=DrainSettings(
             evict=args.evict,

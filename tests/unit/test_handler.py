@@ -116,11 +116,13 @@ def handler_for(
 ) -> tuple[NodeHandler, NoticeBoard, AgentMetrics]:
     metrics = AgentMetrics.create(CollectorRegistry())
     board = NoticeBoard(local_node=local_node)
-    drainer = Drainer(actions, policy=DrainPolicy(5.0, ("kube-system", "spotdrain-abc")), metrics=metrics, clock=clock)
+    drainer = Drainer(
+        actions, policy=DrainPolicy(5.0, ("kube-system", "spotdrain-abc"), delay_s=1.0), metrics=metrics, clock=clock
+    )
     handler = NodeHandler(
         actions,
         drainer,
-        policy=HandlerPolicy(evict=evict, eviction_delay_s=1.0, heartbeat_s=10.0),
+        policy=HandlerPolicy(evict=evict, heartbeat_s=10.0),
         metrics=metrics,
         clock=clock,
         board=board,
@@ -302,3 +304,14 @@ async def test_a_dry_run_reads_but_changes_nothing(actions: RecordingActions) ->
     assert actions.nodes == before
     assert len(actions.pods) == 4
     assert {c[0] for c in actions.calls} <= {"get_node", "pods_on", "list_nodes"}
+
+
+async def test_concurrent_lookups_share_one_node_list(actions: RecordingActions) -> None:
+    actions.add_node("gpu-2", "i-0def")
+    index = NodeIndex(actions)
+    found = await asyncio.gather(*(index.node_for(i, now=0.0) for i in ("i-0abc", "i-0def", "i-0zzz")))
+    assert found == ["gpu-1", "gpu-2", None]
+    assert await index.node_for("i-0zzz", now=1.0) is None
+    assert actions.calls.count(("list_nodes",)) == 1, "a miss right after a LIST does not list again"
+    assert await index.node_for("i-0zzz", now=6.0) is None
+    assert actions.calls.count(("list_nodes",)) == 2
