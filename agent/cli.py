@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "daemonset.settings",
         "daemonset.main",
     ),
+    "cache": ("prepare the NVMe model cache once and exit", "daemonset.cache_settings", "daemonset.cache_main"),
 }
 
 

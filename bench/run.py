@@ -1,17 +1,29 @@
-"""Run every benchmark and print one JSON document: a list of {name, value, unit, target, passed, detail}."""
+"""Run every benchmark and print one JSON document: a list of {name, value, unit, target, passed, detail}.
+
+Exits non-zero when a target is missed. ``python -m bench.run NAME ...`` runs only the named modules.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 
-from bench import inflight_parse, sidecar
+from bench import burst, cache, inflight_parse, node, sidecar
 from bench.common import Result, report
 
 
+async def run(names: set[str]) -> list[Result]:
+    results: list[Result] = []
+    if not names or "inflight_parse" in names:
+        results.append(inflight_parse.measure())
+    for name, module in (("sidecar", sidecar), ("node", node), ("burst", burst), ("cache", cache)):
+        if not names or name in names:
+            results += await module.measure()
+    return results
+
+
 def main() -> int:
-    results: list[Result] = [inflight_parse.measure()]
-    results += asyncio.run(sidecar.measure())
+    results = asyncio.run(run(set(sys.argv[1:])))
     report(results)
     return 0 if all(r.passed for r in results) else 1
 

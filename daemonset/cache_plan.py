@@ -86,7 +86,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class _ArrayPlan:
+class _Layout:
     steps: list[Step] = field(default_factory=list)
     target: Disk | None = None  # None while the array is being reassembled
     reason: str = ""
@@ -97,7 +97,7 @@ def plan_cache(devices: Sequence[str], state: ProbeState, settings: CacheSetting
     if not devices:
         return Plan((), NOTHING_TO_DO, None)
     if len(devices) == 1:
-        array = _ArrayPlan(target=state.disks[devices[0]], reason="a single disk")
+        array = _Layout(target=state.disks[devices[0]], reason="a single disk")
     else:
         array = _plan_array([state.disks[d] for d in devices], state, settings)
     if array.target is None:
@@ -134,12 +134,12 @@ def _plan_filesystem(target: Disk, settings: CacheSettings) -> list[Step]:
     return [_wipe(target.path), _mkfs(target.path, settings.fs, overwrite=True)]
 
 
-def _plan_array(members: list[Disk], state: ProbeState, settings: CacheSettings) -> _ArrayPlan:
+def _plan_array(members: list[Disk], state: ProbeState, settings: CacheSettings) -> _Layout:
     name, path = settings.name, settings.array_path
     uuids = {m.uuid for m in members}
     uuid = next(iter(uuids)) if len(uuids) == 1 else None
     if state.array is not None:
-        return _ArrayPlan(_record(settings, uuid, state.recorded), state.array, f"RAID0 {path} is assembled")
+        return _Layout(_record(settings, uuid, state.recorded), state.array, f"RAID0 {path} is assembled")
     if uuid is not None and all(m.fstype == RAID_MEMBER and _ours(m, name) for m in members):
         assemble = Step(
             "assemble-array",
@@ -147,7 +147,7 @@ def _plan_array(members: list[Disk], state: ProbeState, settings: CacheSettings)
             ("mdadm", "--assemble", path, *(m.path for m in members)),
             f"reassemble RAID0 {path} from {len(members)} disks",
         )
-        return _ArrayPlan([assemble, *_record(settings, uuid, state.recorded)], None, f"reassembling {path}")
+        return _Layout([assemble, *_record(settings, uuid, state.recorded)], None, f"reassembling {path}")
     refused = [m for m in members if not (m.blank or _ours(m, name))]
     if refused and not settings.force:
         refusal = f"it carries {refused[0].describe()}; --model-cache-force puts it into the cache's array"
@@ -165,7 +165,7 @@ def _plan_array(members: list[Disk], state: ProbeState, settings: CacheSettings)
         reason = f"the disks of the recorded array {path} came back blank (the instance was stopped): recreating it"
     else:
         reason = f"creating RAID0 {path} from {len(members)} disks"
-    return _ArrayPlan(steps, Disk(path=path, real=path), reason)
+    return _Layout(steps, Disk(path=path, real=path), reason)
 
 
 def _record(settings: CacheSettings, uuid: str | None, recorded: str | None) -> list[Step]:

@@ -134,9 +134,16 @@ class NodeHandler:
 
     async def _mark(self, notice: Notice, name: str) -> bool:
         """Taint, cordon and annotate in one guarded patch; True if this call changed the node."""
+        # In queue mode the node list the instance was found in serves as the first read: in a burst that halves
+        # the calls before the taint. A stale copy costs a 409 and a fresh read, never a wrong patch.
+        listed = self.index.take(name) if self.index is not None else None
         for _ in range(CONFLICT_RETRIES):
-            node = await self._read(name)
+            node = listed or await self._read(name)
             patch = plan_mark(node, notice)
+            if patch is None and listed is not None:
+                listed = None  # "already marked" is only believed from a fresh read
+                continue
+            listed = None
             if patch is None:
                 log.info("node.already_marked", node=name, notice=notice.id)
                 return False

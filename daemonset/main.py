@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,8 @@ from agent.retry import ApiError
 from agent.settings import log_effective
 from agent.tasks import Role, Supervisor, on_signals
 from daemonset.board import NoticeBoard
+from daemonset.cache_main import CacheMetrics, prepare_cache, usage_reporter
+from daemonset.cache_plan import CacheError
 from daemonset.eviction import Drainer, DrainPolicy
 from daemonset.handler import HandlerPolicy, NodeHandler
 from daemonset.metrics import AgentMetrics
@@ -64,6 +67,21 @@ async def startup_check(actions: NodeActions, settings: NodeSettings, ready: asy
         ready.set()
         log.info("startup.ready", node=settings.node_name, queue_mode=settings.queue_mode)
         return
+
+
+async def model_cache(settings: NodeSettings, actions: NodeActions, metrics: CacheMetrics) -> None:
+    """Prepares the model cache when enabled, then reports its size and free bytes while it is mounted.
+
+    Returns at once where there is no cache. A failed preparation is logged (``cache.failed``) and leaves the startup
+    taint on the node; it never stops the agent, which still has notices to act on.
+    """
+    if settings.cache.enabled:
+        with contextlib.suppress(CacheError):
+            await prepare_cache(settings.cache, actions, node_name=settings.node_name, metrics=metrics)
+    if not settings.cache.path.is_mount():
+        return
+    metrics.ready.set(1)
+    await usage_reporter(metrics, settings.cache.path)
 
 
 def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: CollectorRegistry) -> AsyncIterator[Notice]:
@@ -146,7 +164,9 @@ async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None
             ("startup_check", startup_check(actions, settings, ready)),
             ("dispatcher", dispatcher(_source(settings, http, registry), handler)),
         ]
-        ok = await Supervisor(stop).run(roles, one_shot={"startup_check"})
+        if not queue_mode:
+            roles.append(("model_cache", model_cache(settings, actions, CacheMetrics.create(registry))))
+        ok = await Supervisor(stop).run(roles, one_shot={"startup_check", "model_cache"})
     return 0 if ok else 1
 
 

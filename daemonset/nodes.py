@@ -180,6 +180,7 @@ class NodeIndex:
     def __init__(self, actions: NodeActions, *, min_refresh_s: float = 5.0) -> None:
         self.actions = actions
         self.by_instance: dict[str, str] = {}
+        self.listed: dict[str, Node] = {}  # nodes as the last LIST showed them, each handed out once
         self.min_refresh_s = min_refresh_s
         self._refreshed_at: float | None = None
         self._refreshing: asyncio.Task[None] | None = None
@@ -194,11 +195,16 @@ class NodeIndex:
                 await asyncio.shield(self._refreshing)
         return self.by_instance.get(instance_id)
 
+    def take(self, name: str) -> Node | None:
+        """The node as last listed, once: a second use could only be staler."""
+        return self.listed.pop(name, None)
+
     async def _refresh(self, now: float) -> None:
         try:
             nodes = await self.actions.list_nodes()
             self._refreshed_at = now
             self.by_instance = {iid: n["metadata"]["name"] for n in nodes if (iid := instance_id_of(n)) is not None}
+            self.listed = {n["metadata"]["name"]: n for n in nodes}
             log.debug("nodes.indexed", nodes=len(self.by_instance))
         finally:
             self._refreshing = None

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from agent.settings import add_flag, add_switch, http_url, port, require, seconds
+from daemonset.cache_settings import CacheSettings, add_cache_arguments
+from daemonset.cache_settings import from_arguments as cache_from_arguments
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class NodeSettings:
     sqs: SqsSettings
     drain: DrainSettings
     kube: KubeSettings
+    cache: CacheSettings
     host: str
     metrics_port: int
     notice_port: int
@@ -114,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--host", default="0.0.0.0", help="address for the metrics and notice endpoints")
     add_flag(parser, "--metrics-port", convert=port, default=8089, help="port for /metrics, /livez and /readyz")
     add_flag(parser, "--notice-port", convert=port, default=8090, help="port for GET /v1/notice")
+    add_cache_arguments(parser)
 
 
 def from_arguments(args: argparse.Namespace) -> NodeSettings:
@@ -146,6 +150,7 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
             heartbeat_s=args.heartbeat_interval,
         ),
         kube=KubeSettings(kubeconfig=args.kubeconfig, qps=args.api_qps, burst=args.api_burst),
+        cache=cache_from_arguments(args),
         host=args.host,
         metrics_port=args.metrics_port,
         notice_port=args.notice_port,

@@ -175,3 +175,21 @@ async def test_a_dry_run_changes_nothing_in_the_cluster(kube: FakeKube, tmp_path
     assert kube.pod("ml", "vllm-0") is not None
     assert kube.events() == []
     assert {c.method for c in kube.calls} == {"GET"}
+
+
+async def test_a_failed_model_cache_keeps_its_startup_taint_and_notices_are_still_acted_on(
+    tmp_path: Path,
+) -> None:
+    pending = {"key": "spotdrain.io/model-cache-pending", "effect": "NoSchedule"}
+    async with FakeKube() as kube:
+        kube.add_node("gpu-1", provider_id=f"aws:///us-east-1a/{INSTANCE}", taints=[pending])
+        imds = FakeImds(instance_id=INSTANCE)
+        flags = ("--no-evict", "--model-cache-devices", str(tmp_path / "gone-nvme1n1"))
+        with capture_logs() as logs:
+            async with serving(imds) as url, agent(kube, url, tmp_path, *flags):
+                await until(lambda: any(e["event"] == "cache.failed" for e in logs))
+                imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+                await until(lambda: cordoned(kube))
+        assert pending in kube.node("gpu-1")["spec"]["taints"]
+        failed = next(e for e in logs if e["event"] == "cache.failed")
+        assert "gone-nvme1n1" in str(failed["device"])

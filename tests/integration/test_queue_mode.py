@@ -17,13 +17,13 @@ import pytest
 
 from agent.cli import build_parser
 from agent.clock import rfc3339, utcnow
+from agent.fakes.aws import REGION, MotoServer
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port
 from daemonset.main import run
 from daemonset.planning import TAINT_KEY
 from daemonset.settings import from_arguments
 from tests.conftest import status_of
-from tests.moto_server import REGION, MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from structlog.testing import capture_logs
 
+from agent.fakes.aws import REGION, MotoServer
 from agent.metrics import CollectorRegistry
 from daemonset.notice import Kind, Notice
 from daemonset.sqs import SqsMetrics, SqsSource
-from tests.moto_server import REGION, MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient

@@ -315,3 +315,18 @@ async def test_concurrent_lookups_share_one_node_list(actions: RecordingActions)
     assert actions.calls.count(("list_nodes",)) == 1, "a miss right after a LIST does not list again"
     assert await index.node_for("i-0zzz", now=6.0) is None
     assert actions.calls.count(("list_nodes",)) == 2
+
+
+@pytest.mark.looptime
+async def test_queue_mode_patches_from_the_listed_node_and_rereads_only_on_conflict(actions: RecordingActions) -> None:
+    actions.add_node("gpu-2", "i-0def")
+    handler, _, _ = handler_for(actions, local_node=None, evict=False)
+    await handler.handle(Notice(Kind.SPOT_INTERRUPTION, "i-0def", T0 + timedelta(seconds=120), Source.SQS))
+    assert [c[0] for c in actions.calls] == ["list_nodes", "patch_node"]
+    actions.calls.clear()
+    assert handler.index is not None
+    await handler.index._refresh(100.0)
+    actions.nodes["gpu-1"]["metadata"]["resourceVersion"] = "changed-since-the-list"
+    await handler.handle(Notice(Kind.SPOT_INTERRUPTION, "i-0abc", T0 + timedelta(seconds=120), Source.SQS))
+    assert [c[0] for c in actions.calls] == ["list_nodes", "patch_node", "get_node", "patch_node"]
+    assert actions.nodes["gpu-1"]["spec"]["unschedulable"] is True

@@ -5,6 +5,10 @@
 - Every request is recorded with its action and parameters, so tests can check what was sent, in which order and how
   often (one ``DeleteMessage`` per message, ``CONTINUE`` with the message's token).
 - Faults: the next requests for an action can be answered with an AWS error before moto sees them.
+- Requests reach moto one at a time: its queues lose deletes that run concurrently, and SQS does not.
+- Receiving from a queue of a thousand messages takes moto half a second, as it rebuilds every queue attribute for
+  each message it checks against the retention period; here that check reads the one attribute it needs, so a burst
+  measures the node agent rather than moto.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any
 from moto.autoscaling.exceptions import ValidationError
 from moto.autoscaling.responses import AutoScalingResponse
 from moto.core.responses import EmptyResult
+from moto.core.utils import unix_time
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from moto.sqs.models import SQSBackend
 from werkzeug.serving import BaseWSGIServer, make_server
 
 REGION = "us-east-1"
@@ -51,6 +57,11 @@ def _lifecycle_action(self: Any) -> Any:
     if not self._get_param("LifecycleActionToken") and not self._get_param("InstanceId"):
         raise ValidationError("No active Lifecycle Action found: give LifecycleActionToken or InstanceId")
     return EmptyResult()
+
+
+def _retained(self: Any, queue_name: str, message: Any) -> bool:
+    retention_s = int(self.get_queue(queue_name).message_retention_period)
+    return bool(retention_s + message.sent_timestamp / 1000 > unix_time())
 
 
 def _request(environ: Environ) -> Call:
@@ -88,6 +99,7 @@ class MotoServer:
     requests: list[Call] = field(default_factory=list)
     _faults: dict[str, list[Fault]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _serial: threading.Lock = field(default_factory=threading.Lock)
     _server: BaseWSGIServer | None = None
     _thread: threading.Thread | None = None
     _saved: dict[str, Any] = field(default_factory=dict)
@@ -119,7 +131,10 @@ class MotoServer:
                 pending = self._faults.get(call.action)
                 fault = pending.pop(0) if pending else None
             if fault is None:
-                return app(environ, start_response)
+                # moto's queues are not safe for concurrent changes (two deletes at once can bring a deleted
+                # message back); AWS is, so requests that reach moto are served one at a time.
+                with self._serial:
+                    return list(app(environ, start_response))
             status, headers, body = _error(environ, fault)
             start_response(status, headers)
             return [body]
@@ -130,6 +145,8 @@ class MotoServer:
         for name in ("complete_lifecycle_action", "record_lifecycle_action_heartbeat"):
             self._saved[name] = AutoScalingResponse.__dict__.get(name)
             setattr(AutoScalingResponse, name, _lifecycle_action)
+        self._saved["retention"] = SQSBackend.is_message_valid_based_on_retention_period
+        SQSBackend.is_message_valid_based_on_retention_period = _retained  # type: ignore[method-assign]
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request drowns a failing test's output
         app = self._middleware(DomainDispatcherApplication(create_backend_app))
         self._server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
@@ -142,8 +159,29 @@ class MotoServer:
             self._server.server_close()
         if self._thread is not None:
             self._thread.join()
+        SQSBackend.is_message_valid_based_on_retention_period = self._saved.pop("retention")  # type: ignore[method-assign]
         for name, original in self._saved.items():
             if original is None:
                 delattr(AutoScalingResponse, name)
             else:
                 setattr(AutoScalingResponse, name, original)
+
+
+def main() -> None:
+    """``python -m agent.fakes.aws``: serve until SIGTERM, printing the endpoint URL on the first line."""
+    import signal
+    import sys
+
+    server = MotoServer()
+    server.start()
+    print(server.endpoint_url, flush=True)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    stopped.wait()
+    server.stop()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
