@@ -18,6 +18,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from agent.clock import rfc3339, utcnow
 from agent.ratelimit import RateLimiter
 from agent.retry import ApiError, api_message, retry_after
+from agent.settings import SettingsError
 from daemonset.planning import Node, Pod, instance_id_of
 
 log = structlog.get_logger()
@@ -216,9 +217,13 @@ async def api_client(kubeconfig: str | None) -> AsyncIterator[client.ApiClient]:
     from kubernetes_asyncio import config
 
     configuration = client.Configuration()
-    if kubeconfig:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    try:
+        if kubeconfig:
+            await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        else:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except (config.ConfigException, OSError, ValueError) as error:
+        where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
+        raise SettingsError(f"cannot reach the Kubernetes API through {where}: {error}") from None
     async with client.ApiClient(configuration) as api:
         yield api

@@ -78,3 +78,17 @@ def test_bad_urls_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sidecar", "--engine-url", "localhost:8000"])
     assert "not an http(s) URL" in capsys.readouterr().err
+
+
+def test_the_node_agent_without_a_usable_kubeconfig_says_so_and_exits_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "kubeconfig").write_text("apiVersion: v1\nkind: Config\n")
+    assert main(["node", "--node-name", "gpu-1", "--kubeconfig", str(tmp_path / "kubeconfig")]) == 2
+    assert "cannot reach the Kubernetes API through kubeconfig" in capsys.readouterr().err
+
+
+def test_queue_mode_needs_a_region(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    assert main(["node", "--queue-url", "https://sqs.us-east-1.amazonaws.com/1/q"]) == 2
+    assert "--queue-url needs --aws-region" in capsys.readouterr().err
