@@ -24,6 +24,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "daemonset.main",
     ),
     "cache": ("prepare the NVMe model cache once and exit", "daemonset.cache_settings", "daemonset.cache_main"),
+    "inject": (
+        "print a manifest with the sidecar, probes, preStop, volume and grace period added",
+        "agent.inject",
+        "agent.inject",
+    ),
 }
 
 

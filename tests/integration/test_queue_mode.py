@@ -176,3 +176,22 @@ async def test_an_event_within_its_deadline_is_timed_from_the_event_not_from_rec
         )
         < 10
     )
+
+
+async def test_a_burst_of_messages_for_many_nodes_is_handled_once_each(
+    moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    nodes = 60
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    async with FakeKube(latency_s=0.005) as kube:
+        for index in range(nodes):
+            kube.add_node(f"burst-{index}", provider_id=f"aws:///{REGION}a/i-{index:017x}")
+        for first in range(0, nodes, 10):
+            entries = [{"Id": str(i), "MessageBody": spot(f"i-{i:017x}")} for i in range(first, first + 10)]
+            sqs.send_message_batch(QueueUrl=queue, Entries=entries)  # type: ignore[arg-type]
+        async with queue_agent(kube, moto, queue, tmp_path):
+            await until(lambda: messages_left(sqs, queue) == 0, timeout_s=30)
+        assert all(kube.node(f"burst-{i}")["spec"].get("unschedulable") for i in range(nodes))
+    deleted = [c for c in moto.calls("DeleteMessage") if c.params["QueueUrl"] == queue]
+    assert len(deleted) == nodes
+    assert len({c.params["ReceiptHandle"] for c in deleted}) == nodes
