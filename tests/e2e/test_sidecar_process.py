@@ -40,9 +40,11 @@ class Pod:
 
 @pytest.fixture
 async def pod(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Pod]:
-    flags = getattr(request, "param", ())
+    flags, engine_flags = getattr(request, "param", ((), ()))
     engine_port, sidecar_port = free_port(), free_port()
-    engine = await start(engine_args(engine_port, "--tokens-per-second", "50"), log_path=tmp_path / "engine.log")
+    engine = await start(
+        engine_args(engine_port, "--tokens-per-second", "50", *engine_flags), log_path=tmp_path / "engine.log"
+    )
     sidecar = await start(
         sidecar_args(
             port=sidecar_port,
@@ -101,7 +103,7 @@ async def test_the_engines_prestop_script_returns_once_drained_and_sigterm_then_
     assert await asyncio.wait_for(pod.sidecar.wait(), 2) == 0
 
 
-@pytest.mark.parametrize("pod", [("--drain-timeout", "1")], indirect=True)
+@pytest.mark.parametrize("pod", [(("--drain-timeout", "1"), ())], indirect=True)
 async def test_the_timeout_cuts_what_is_left_counts_it_and_still_exits_cleanly(pod: Pod) -> None:
     streams = [asyncio.create_task(stream(pod.engine_port, max_tokens=1000)) for _ in range(2)]
     await asyncio.sleep(0.2)
@@ -114,3 +116,20 @@ async def test_the_timeout_cuts_what_is_left_counts_it_and_still_exits_cleanly(p
     assert [e["streams_cut"] for e in timeouts] == [2]
     for task in streams:
         task.cancel()
+
+
+@pytest.mark.parametrize(
+    "pod", [(("--stall-after", "0.8", "--drain-timeout", "30"), ("--leak-disconnected",))], indirect=True
+)
+async def test_a_gauge_left_up_by_clients_that_went_away_ends_as_a_stall_not_a_timeout(pod: Pod) -> None:
+    gone = asyncio.create_task(stream(pod.engine_port, max_tokens=1000))
+    await asyncio.sleep(0.3)
+    gone.cancel()
+    await asyncio.sleep(0.2)
+    loop = asyncio.get_running_loop()
+    pod.sidecar.send_signal(signal.SIGTERM)
+    sent = loop.time()
+    assert await asyncio.wait_for(pod.sidecar.wait(), 10) == 0
+    assert loop.time() - sent < 5
+    finished = [e for e in pod.log_events() if e["event"] == "drain.finished"]
+    assert [e["outcome"] for e in finished] == ["stalled"]
