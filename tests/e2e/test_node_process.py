@@ -7,6 +7,7 @@ import json
 import signal
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,10 @@ async def test_the_agent_process_acts_on_a_notice_and_stops_cleanly_on_sigterm(t
     async with FakeKube() as kube, serving(imds) as imds_url:
         kube.add_node("gpu-1", provider_id=f"aws:///us-east-1a/{INSTANCE}")
         kube.add_pod("ml", "vllm-0", node="gpu-1", owner_kind="ReplicaSet")
-        kube.on_delete(lambda pod, grace: asyncio.get_running_loop().call_later(0.2, kube.remove_pod, "ml", "vllm-0"))
+        def containers_exit(pod: dict[str, Any], grace_s: int) -> None:
+            asyncio.get_running_loop().call_later(0.2, kube.remove_pod, "ml", "vllm-0")
+
+        kube.on_delete(containers_exit)
         metrics_port, notice_port = free_port(), free_port()
         args = [
             "-m",
