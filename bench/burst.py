@@ -14,6 +14,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import boto3
 
@@ -25,6 +26,9 @@ from bench.common import Result, cpu_s
 from daemonset.planning import TAINT_KEY
 from sidecar.engines import sum_samples
 from tests.conftest import status_of
+
+if TYPE_CHECKING:
+    pass
 
 NODES = 1000
 API_LATENCY_S = 0.010

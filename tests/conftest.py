@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
 
 from agent.fakes.engine import EngineConfig, serve_engine
 from agent.fakes.processes import free_port
+from agent.metrics import CollectorRegistry
 from sidecar.engines import sum_samples
 
 
@@ -39,3 +40,27 @@ async def scrape(url: str, name: str) -> float | None:
 async def status_of(url: str) -> tuple[int, str]:
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         return response.status, await response.text()
+
+
+def every_series() -> CollectorRegistry:
+    """A registry holding every series the two programs export, as they are at start."""
+    from daemonset.cache_main import CacheMetrics
+    from daemonset.imds import ImdsMetrics
+    from daemonset.metrics import AgentMetrics
+    from daemonset.sqs import SqsMetrics
+    from sidecar.metrics import SidecarMetrics
+
+    registry = CollectorRegistry()
+    SidecarMetrics.create(registry)
+    AgentMetrics.create(registry)
+    ImdsMetrics(registry)
+    SqsMetrics.create(registry)
+    CacheMetrics.create(registry)
+    return registry
+
+
+async def until(check: Callable[[], bool], *, timeout_s: float = 15) -> None:
+    """Return once ``check()`` holds; TimeoutError after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.02)

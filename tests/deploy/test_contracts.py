@@ -11,12 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.settings import env_name
-from daemonset.cache_main import CacheMetrics
-from daemonset.imds import ImdsMetrics
 from daemonset.metrics import AgentMetrics
-from daemonset.sqs import SqsMetrics
 from sidecar.engines import ENGINES
 from sidecar.metrics import SidecarMetrics
+from tests.conftest import every_series
 from tests.deploy.manifests import (
     DEPLOY,
     ROOT,
@@ -130,14 +128,8 @@ def test_no_role_grants_a_wildcard(directory: str) -> None:
 
 def _families() -> dict[str, dict[str, set[str]]]:
     """Every spotdrain_* family the programs export, with each label's values, as created at start."""
-    registry = CollectorRegistry()
-    SidecarMetrics.create(registry)
-    AgentMetrics.create(registry)
-    ImdsMetrics(registry)
-    SqsMetrics.create(registry)
-    CacheMetrics.create(registry)
     families: dict[str, dict[str, set[str]]] = {}
-    for family in registry.collect():
+    for family in every_series().collect():
         labels = families.setdefault(family.name, {})
         for sample in family.samples:
             for label, value in sample.labels.items():

@@ -23,7 +23,7 @@ from agent.fakes.processes import free_port
 from daemonset.main import run
 from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
 from daemonset.settings import from_arguments
-from tests.conftest import status_of
+from tests.conftest import status_of, until
 
 INSTANCE = "i-0123456789abcdef0"
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
@@ -69,12 +69,6 @@ async def agent(kube: FakeKube, imds_url: str, tmp_path: Path, *flags: str) -> A
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(task, 10) == 0
-
-
-async def until(check: Callable[[], bool], *, timeout_s: float = 10) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.02)
 
 
 def cordoned(kube: FakeKube) -> bool:

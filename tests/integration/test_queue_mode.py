@@ -7,7 +7,7 @@ import json
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +23,7 @@ from agent.fakes.processes import free_port
 from daemonset.main import run
 from daemonset.planning import TAINT_KEY
 from daemonset.settings import from_arguments
-from tests.conftest import status_of
+from tests.conftest import status_of, until
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
@@ -82,12 +82,6 @@ async def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Pa
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(task, 15) == 0
-
-
-async def until(check: Callable[[], bool], *, timeout_s: float = 15) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.05)
 
 
 def messages_left(sqs: SQSClient, queue: str) -> int:
