@@ -26,6 +26,7 @@ async def test_the_agent_process_acts_on_a_notice_and_stops_cleanly_on_sigterm(t
     async with FakeKube() as kube, serving(imds) as imds_url:
         kube.add_node("gpu-1", provider_id=f"aws:///us-east-1a/{INSTANCE}")
         kube.add_pod("ml", "vllm-0", node="gpu-1", owner_kind="ReplicaSet")
+
         def containers_exit(pod: dict[str, Any], grace_s: int) -> None:
             asyncio.get_running_loop().call_later(0.2, kube.remove_pod, "ml", "vllm-0")
 
