@@ -60,17 +60,19 @@ class NodeHandler:
         self.board = board
         self.local_node = local_node
         self.index = index
-        self._active: dict[str, asyncio.Future[str | None]] = {}
+        # Keyed by id and withdrawal: a canceled event has its notice's id, and must not wait behind its drain.
+        self._active: dict[tuple[str, bool], asyncio.Future[str | None]] = {}
 
     async def handle(self, notice: Notice) -> None:
         """Act on one notice and acknowledge it; returns once done, or handed back to its source.
 
         A notice delivered again while the first delivery is still being acted on waits for that one.
         """
-        running = self._active.get(notice.id)
+        key = (notice.id, notice.withdrawn)
+        running = self._active.get(key)
         if running is None:
-            running = self._active[notice.id] = asyncio.ensure_future(self._act_until_deadline(notice))
-            running.add_done_callback(lambda _: self._active.pop(notice.id, None))
+            running = self._active[key] = asyncio.ensure_future(self._act_until_deadline(notice))
+            running.add_done_callback(lambda _: self._active.pop(key, None))
         else:
             log.info("notice.duplicate", notice=notice.id)
         outcome = await asyncio.shield(running)
