@@ -45,7 +45,8 @@ async def drainer(
     # Until endpoints have caught up, requests may still arrive: a zero now would prove nothing.
     await asyncio.sleep(max(0.0, min(settings.endpoint_delay_s, drain.deadline - started_at)))
     while True:
-        drain, outcome = observe(drain, await engine.read(), stall_after_s=settings.stall_after_s)
+        reading = await engine.read(previous=drain.last)
+        drain, outcome = observe(drain, reading, stall_after_s=settings.stall_after_s)
         if outcome is not None:
             break
         await asyncio.sleep(next_poll_delay(drain, loop.time(), poll_interval_s=settings.poll_interval_s))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 import aiohttp
 import structlog
@@ -12,7 +13,7 @@ from sidecar.engines import MetricsError, read_engine
 from sidecar.metrics import SidecarMetrics
 from sidecar.netstat import established_connections
 from sidecar.settings import EngineSettings
-from sidecar.state import Reading
+from sidecar.state import Reading, needs_connections
 
 log = structlog.get_logger()
 
@@ -55,22 +56,33 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError) as error:
             return False, f"engine unreachable: {type(error).__name__}"
 
-    async def read(self) -> Reading:
-        """One reading; a part that cannot be read is None, and the failure is logged once and counted."""
-        # Count connections before scraping, so the scrape's own connection is never among them.
-        connections = self.connections(self.settings.port)
+    async def read(self, *, previous: Reading | None) -> Reading:
+        """One reading; a part that cannot be read is None, and the failure is logged once and counted.
+
+        Connections are counted only when the stall rule needs them: reading /proc/net/tcp walks the kernel's whole
+        TCP table (milliseconds, however few sockets there are), too dear for every poll of every pod.
+        """
         loop = asyncio.get_running_loop()
         try:
             page = await self._page()
-            reading = read_engine(page, self.spec)
+            engine = read_engine(page, self.spec)
         except MetricsError as error:
             self._failed(error.kind, str(error))
-            return Reading(at=loop.time(), in_flight=None, connections=connections)
+            return Reading(at=loop.time(), in_flight=None, connections=await self._connections())
         if self.last_error is not None:
             log.info("engine.read_recovered", after=self.last_error)
             self.last_error = None
-        self.metrics.in_flight.set(reading.in_flight)
-        return Reading(at=loop.time(), in_flight=reading.in_flight, tokens=reading.tokens, connections=connections)
+        self.metrics.in_flight.set(engine.in_flight)
+        reading = Reading(at=loop.time(), in_flight=engine.in_flight, tokens=engine.tokens)
+        if needs_connections(previous, reading):
+            reading = replace(reading, connections=await self._connections())
+        return reading
+
+    async def _connections(self) -> int | None:
+        # The scrape's own connection is closed on the next turn of the loop (force_close): let it go first, so it
+        # is never counted as a client.
+        await asyncio.sleep(0)
+        return self.connections(self.settings.port)
 
     async def _page(self) -> str:
         try:

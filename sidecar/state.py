@@ -69,6 +69,17 @@ def _quiet(previous: Reading | None, reading: Reading) -> bool:
     )
 
 
+def needs_connections(previous: Reading | None, reading: Reading) -> bool:
+    """Whether the stall rule needs this reading's connection count: only when nothing else has moved."""
+    return (
+        previous is not None
+        and reading.in_flight is not None
+        and reading.in_flight > 0
+        and reading.in_flight == previous.in_flight
+        and reading.tokens == previous.tokens
+    )
+
+
 def observe(drain: Drain, reading: Reading, *, stall_after_s: float) -> tuple[Drain, Outcome | None]:
     """Fold one reading into the drain and say whether it has ended."""
     zeros = drain.zeros + 1 if reading.in_flight == 0 else 0

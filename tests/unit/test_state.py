@@ -4,7 +4,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.state import Drain, Outcome, Phase, Reading, advance, next_poll_delay, observe, streams_cut
+from sidecar.state import (
+    Drain,
+    Outcome,
+    Phase,
+    Reading,
+    advance,
+    needs_connections,
+    next_poll_delay,
+    observe,
+    streams_cut,
+)
 
 STALL_S = 10.0
 
@@ -120,3 +130,13 @@ def test_every_drain_ends_by_its_deadline_and_only_for_a_reason(shape: list[Read
             assert streams_cut(drain, outcome) >= 0
             return
         assert reading.at < deadline
+
+
+def test_connections_are_counted_only_when_nothing_else_has_moved() -> None:
+    still = Reading(1, 3, tokens=10.0)
+    assert needs_connections(still, Reading(2, 3, tokens=10.0)) is True
+    assert needs_connections(None, still) is False
+    assert needs_connections(still, Reading(2, 2, tokens=10.0)) is False
+    assert needs_connections(still, Reading(2, 3, tokens=11.0)) is False
+    assert needs_connections(Reading(1, 0), Reading(2, 0)) is False, "zeros end the drain on their own"
+    assert needs_connections(still, Reading(2, None)) is False
