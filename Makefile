@@ -21,7 +21,7 @@ test: lint
 	$(BIN)/pytest
 
 demo: $(STAMP)
-	$(BIN)/python -m agent.demo
+	$(BIN)/spotdrain simulate
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -29,6 +29,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "agent.inject",
         "agent.inject",
     ),
+    "simulate": (
+        "a whole interruption on embedded fakes, printed as a timeline with a verdict",
+        "agent.simulation.cli",
+        "agent.simulation.cli",
+    ),
 }
 
 

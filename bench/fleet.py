@@ -1,0 +1,290 @@
+"""200 sidecar processes at default settings, each against a fake engine page of its own: their total CPU while
+serving (polling the node agent's notice endpoint every 0.5 s) and while draining (reading their engine's metrics
+every 0.5 s with in-flight above zero), and their total memory.
+
+Targets, for 200 sidecars (about 25 eight-GPU nodes' worth):
+- serving and draining each under 0.5 cores: 2.5 millicores a sidecar, a quarter of its CPU request in the manifests
+  (10m), so that a drain never waits on a busy node's CPU;
+- a count of the engine's connections under 25 ms of CPU. The kernel walks its whole TCP table for it, so the sidecar
+  counts only while a drain sees no progress (in-flight and tokens still, for at most ``--stall-after``): at one
+  count per 0.5 s poll that is at most 5 % of a core for those seconds;
+- resident memory under 200 times the sidecar's memory request in the manifests (48Mi), since each pod has its own;
+  the proportional share (PSS), which counts the interpreter's shared pages once, is reported beside it.
+
+The engine side is one process (``python -m bench.fleet pages 200``) answering every engine port and the notice endpoint
+from prebuilt pages with a bare asyncio protocol, so that it takes a small part of the machine; only the sidecars'
+CPU is counted. All processes share one network namespace, unlike pods: the sockets every draining sidecar reads
+through in ``/proc/net/tcp`` are those of all 200, and their number is reported with the draining result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import aiohttp
+
+from agent.fakes.processes import free_port, sidecar_args, start, wait_http
+from bench.common import Result, cpu_s, report, rss_mb
+
+SIDECARS = 200
+BATCH = 25  # sidecars started at once: their imports take the machine for a while
+WINDOW_S = 10.0
+ENDPOINT_DELAY_S = 5.0  # the sidecar's default: it reads nothing from its engine until then
+CPU_TARGET_CORES = 0.5
+RSS_TARGET_MB = 48 * 1.048576 * SIDECARS  # the sidecar's memory request in the manifests, 48Mi
+DRAINING_IN_FLIGHT = 3
+# Taken once per 0.5 s poll only while nothing moves: 25 ms is 5 % of a core for at most --stall-after seconds.
+COUNT_TARGET_MS = 25.0
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SENTINEL = b"1.23456789e+08"
+
+
+# The engine side -----------------------------------------------------------------------------------------------------
+
+
+def vllm_page(in_flight: int) -> list[bytes]:
+    """A real fake-vLLM metrics page, split where the generated-tokens count goes (it moves on every reading, as
+    it does while streams run, so no sidecar sees a stall)."""
+    from prometheus_client.exposition import generate_latest
+
+    from agent.fakes.engine import EngineConfig, VllmMetrics
+
+    metrics = VllmMetrics(EngineConfig(model=MODEL))
+    metrics.running.labels(model_name=MODEL, engine="0").set(in_flight)
+    metrics.generation_tokens.labels(model_name=MODEL, engine="0").inc(123456789)
+    return generate_latest(metrics.registry).split(SENTINEL)
+
+
+def _answer(status: str, body: bytes, content_type: str = "text/plain; version=0.0.4; charset=utf-8") -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+class Pages:
+    """What every engine port and the notice endpoint answer, switched from serving to draining at once."""
+
+    def __init__(self) -> None:
+        self.page = vllm_page(0)
+        self.tokens = 0
+        self.notice: bytes | None = None
+
+    def drain(self) -> None:
+        self.page = vllm_page(DRAINING_IN_FLIGHT)
+        deadline = (datetime.now(UTC) + timedelta(seconds=120)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        notice = {"id": "fleet", "kind": "spot-interruption", "deadline": deadline, "source": "imds"}
+        self.notice = json.dumps(notice).encode()
+
+    def answer(self, method: bytes, path: bytes) -> bytes:
+        if path.startswith(b"/metrics"):
+            self.tokens += 1
+            return _answer("200 OK", str(self.tokens).encode().join(self.page))
+        if path.startswith(b"/v1/notice"):
+            if self.notice is None:
+                return b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
+            return _answer("200 OK", self.notice, "application/json")
+        if method == b"POST" and path == b"/_drain":
+            self.drain()
+        return _answer("200 OK", b"ok\n")
+
+
+class PageProtocol(asyncio.Protocol):
+    """One connection: read a request's head, answer it, and reset the connection once the client has closed its end.
+
+    The reset keeps the closed connection out of TIME_WAIT at both ends. In a cluster each pod reads only its own
+    namespace's sockets; here all 200 sidecars share one, and without it the table every draining sidecar reads
+    through grows to some 10,000 rows, which measures the kernel's /proc/net/tcp rather than the sidecars.
+    """
+
+    def __init__(self, pages: Pages) -> None:
+        self.pages = pages
+        self.buffer = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if b"\r\n\r\n" not in self.buffer or self.transport is None:
+            return
+        method, path, *_ = self.buffer.split(b" ", 2)
+        self.buffer = b""
+        self.transport.write(self.pages.answer(method, path))
+
+    def eof_received(self) -> bool:
+        if self.transport is not None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
+        return False
+
+
+async def serve_pages(engines: int) -> None:
+    """Serves ``engines`` engine pages and the notice endpoint, each on a port of its own, until killed.
+
+    Prints the ports first, as one JSON line: ``{"notice": port, "engines": [port, ...]}``.
+    """
+    pages = Pages()
+    loop = asyncio.get_running_loop()
+    ports = []
+    for _ in range(engines + 1):
+        server = await loop.create_server(lambda: PageProtocol(pages), "127.0.0.1", 0)
+        ports.append(server.sockets[0].getsockname()[1])
+    print(json.dumps({"notice": ports[0], "engines": ports[1:]}), flush=True)
+    await asyncio.Event().wait()
+
+
+# The sidecars and the measurement -------------------------------------------------------------------------------------
+
+
+def pss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def connection_count_ms(calls: int = 50) -> float:
+    """CPU milliseconds one count of an engine's connections costs on this machine (both /proc/net/tcp tables)."""
+    from sidecar.netstat import established_connections
+
+    began = time.process_time()
+    for _ in range(calls):
+        established_connections(1)
+    return (time.process_time() - began) / calls * 1000
+
+
+def ehash_entries() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_ehash_entries").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def tcp_rows() -> int:
+    """Sockets in this network namespace, which a draining sidecar reads through on every reading."""
+    return sum(len(Path(p).read_text().splitlines()) - 1 for p in ("/proc/net/tcp", "/proc/net/tcp6"))
+
+
+Started = list[tuple[int, asyncio.subprocess.Process]]  # (sidecar port, process)
+
+
+def _ports(count: int, *, taken: set[int]) -> list[int]:
+    """``count`` free ports, none of them ``taken`` nor twice the same (the kernel may hand out a port again)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+    return ports
+
+
+async def _start_sidecars(workdir: Path, engine_ports: Sequence[int], notice_url: str) -> Started:
+    """Start one sidecar per engine port, a batch at a time; returns once every one is ready."""
+    started: Started = []
+    sidecar_ports = _ports(len(engine_ports), taken=set(engine_ports))
+    for first in range(0, len(engine_ports), BATCH):
+        batch: Started = []
+        for index, engine_port in enumerate(engine_ports[first : first + BATCH], start=first):
+            port = sidecar_ports[index]
+            drain_dir = workdir / f"drain-{index}"
+            args = sidecar_args(
+                port=port, engine_port=engine_port, drain_dir=drain_dir, extra=["--notice-url", notice_url]
+            )
+            batch.append((port, await start(args, log_path=workdir / f"sidecar-{index}.log")))
+        await asyncio.gather(*(wait_http(f"http://127.0.0.1:{p}/ready", status=200, timeout_s=60) for p, _ in batch))
+        started += batch
+    return started
+
+
+async def _cores(pids: Sequence[int], window_s: float) -> float:
+    """CPU the processes used over the window, in cores."""
+    before, t0 = sum(cpu_s(pid) for pid in pids), time.monotonic()
+    await asyncio.sleep(window_s)
+    return (sum(cpu_s(pid) for pid in pids) - before) / (time.monotonic() - t0)
+
+
+async def _all_draining(ports: Sequence[int]) -> None:
+    """Returns once every sidecar's /ready answers 503."""
+    async with aiohttp.ClientSession() as session:
+        for port in ports:
+            while True:
+                async with session.get(f"http://127.0.0.1:{port}/ready") as response:
+                    if response.status == 503:
+                        break
+                await asyncio.sleep(0.1)
+
+
+async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[Result]:
+    pages = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.fleet", "pages", str(SIDECARS), stdout=asyncio.subprocess.PIPE
+    )
+    procs.append(pages)
+    assert pages.stdout is not None
+    bound = json.loads(await asyncio.wait_for(pages.stdout.readline(), 20))
+    engine_ports, notice_port = bound["engines"], bound["notice"]
+    notice_url = f"http://127.0.0.1:{notice_port}/v1/notice"
+    await wait_http(notice_url, status=204, timeout_s=20)
+    sidecars = await _start_sidecars(workdir, engine_ports, notice_url)
+    procs += [process for _, process in sidecars]
+    pids = [process.pid for _, process in sidecars]
+    await asyncio.sleep(2.0)  # let start-up work settle
+    serving = await _cores(pids, WINDOW_S)
+    async with aiohttp.ClientSession() as session:
+        await session.post(f"http://127.0.0.1:{notice_port}/_drain")
+    await _all_draining([port for port, _ in sidecars])
+    await asyncio.sleep(ENDPOINT_DELAY_S + 1.0)
+    draining = await _cores(pids, WINDOW_S)
+    rows = tcp_rows()
+    rss, pss = sum(rss_mb(pid) for pid in pids), sum(pss_mb(pid) for pid in pids)
+    per = f"{SIDECARS} sidecars at default settings over {WINDOW_S:g} s on {os.cpu_count()} cores"
+    drain_detail = f"{per}, each reading in-flight {DRAINING_IN_FLIGHT} every 0.5 s; {rows} sockets in /proc/net/tcp*"
+    count_detail = (
+        "one count of the engine's connections (/proc/net/tcp and tcp6), taken only while a drain sees no progress; "
+        f"the kernel walks its whole TCP hash table ({ehash_entries()} entries here) for it, whatever the sockets"
+    )
+    return [
+        Result.below("fleet_cpu_serving", serving, "cores", CPU_TARGET_CORES, f"{per}, notice endpoint polled"),
+        Result.below("fleet_cpu_draining", draining, "cores", CPU_TARGET_CORES, drain_detail),
+        Result.below("fleet_rss_total", rss, "MB", RSS_TARGET_MB, f"{per}; proportional share (PSS) {pss:.0f} MB"),
+        Result.below("sidecar_connection_count_cpu", connection_count_ms(), "ms", COUNT_TARGET_MS, count_detail),
+    ]
+
+
+async def measure() -> list[Result]:
+    procs: list[asyncio.subprocess.Process] = []
+    with tempfile.TemporaryDirectory(prefix="spotdrain-fleet-") as workdir:
+        try:
+            return await _run(Path(workdir), procs)
+        finally:
+            for process in procs:
+                if process.returncode is None:
+                    process.kill()
+            await asyncio.gather(*(process.wait() for process in procs))
+
+
+def main(argv: Sequence[str]) -> None:
+    if argv[:1] == ["pages"]:
+        parser = argparse.ArgumentParser(prog="python -m bench.fleet pages")
+        parser.add_argument("engines", type=int)
+        asyncio.run(serve_pages(parser.parse_args(argv[1:]).engines))
+        return
+    report(asyncio.run(measure()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

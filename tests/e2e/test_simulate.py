@@ -1,0 +1,100 @@
+"""``spotdrain simulate``, every scenario: the real sidecars and node agent against the fakes, judged on the verdict.
+
+Time is compressed to a 13 s notice (3 s to drain after the sidecars' fixed 10 s margin) and two pods with two
+streams each, so the whole file stays well inside a minute and a half on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.simulation.report import render
+from agent.simulation.run import RunResult, simulate
+from agent.simulation.settings import SimulationSettings, Timings
+
+pytestmark = pytest.mark.e2e
+
+NOTICE_S = 13.0
+
+
+async def play(scenario: str, workdir: Path) -> RunResult:
+    settings = SimulationSettings(scenario, 2, 2, 20.0, 1, Timings.scaled(NOTICE_S))
+    result = await simulate(settings, workdir=workdir)
+    print(render(result))  # shown when a test fails
+    return result
+
+
+async def test_short_streams_are_never_cut_and_every_pod_leaves_rotation_before_its_eviction(tmp_path: Path) -> None:
+    result = await play("short-streams", tmp_path)
+    s = result.summary
+    assert result.passed
+    assert s.started >= 4
+    assert s.cut == s.cut_reported == s.cut_by_engines == 0
+    assert s.completed == s.started
+    assert [p.out_before_eviction for p in s.pods] == [True, True]
+    assert s.notice_to_out_max_s is not None
+    assert s.notice_to_out_max_s < 1.5
+    assert s.refused > 0, "once no pod is in rotation the router refuses new requests"
+
+
+async def test_long_streams_are_cut_and_the_sidecars_report_as_many_as_the_clients_saw(tmp_path: Path) -> None:
+    result = await play("long-streams", tmp_path)
+    s = result.summary
+    assert result.passed
+    assert s.cut > 0
+    assert s.cut_reported == s.cut == s.cut_by_engines
+    assert s.completed > 0
+
+
+async def test_a_blocking_budget_is_retried_until_the_deadline_and_the_pods_go_with_the_instance(
+    tmp_path: Path,
+) -> None:
+    result = await play("pdb-blocks", tmp_path)
+    s = result.summary
+    assert result.passed
+    assert s.eviction_refusals >= 4
+    assert s.evictions == 0
+    assert s.reclaimed == 2
+    assert s.cut == 0, "the notice drained the pods though no eviction went through"
+
+
+async def test_an_agent_killed_mid_drain_resumes_without_marking_the_node_twice(tmp_path: Path) -> None:
+    result = await play("agent-restart", tmp_path)
+    s = result.summary
+    assert result.passed
+    assert (s.agent_restarts, s.node_patches, s.node_events) == (1, 1, 1)
+    assert s.already_marked
+    assert s.evictions == 2
+    assert s.cut == 0
+
+
+async def test_a_notice_through_sqs_drains_the_node_and_the_message_is_deleted(tmp_path: Path) -> None:
+    result = await play("sqs", tmp_path)
+    s = result.summary
+    assert result.passed
+    assert s.message_deleted is True
+    assert s.cordoned_at is not None
+    assert s.cut == 0
+
+
+def test_the_command_prints_the_result_as_json_and_draws_the_page(tmp_path: Path) -> None:
+    page = tmp_path / "run.html"
+    flags = ["--pods", "1", "--streams-per-pod", "2", "--notice-seconds", "12", "--json", "--html", str(page)]
+    done = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "simulate", *flags, "--log-dir", str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert result["passed"] is True
+    assert result["scenario"] == "short-streams"
+    assert page.read_text().count('class="lane pod"') == 1
+    assert (tmp_path / "logs" / "node-agent.log").exists()
