@@ -28,7 +28,7 @@ from sidecar.engines import sum_samples
 from tests.conftest import status_of
 
 if TYPE_CHECKING:
-    pass
+    from mypy_boto3_sqs import SQSClient
 
 NODES = 1000
 API_LATENCY_S = 0.010
@@ -65,14 +65,18 @@ async def moto_process() -> tuple[asyncio.subprocess.Process, str]:
     return process, (await process.stdout.readline()).decode().strip()
 
 
-def fill_queue(endpoint: str, instances: list[str]) -> str:
-    sqs = boto3.client(
+def sqs_client(endpoint: str) -> SQSClient:
+    return boto3.client(
         "sqs",
         region_name=REGION,
         endpoint_url=endpoint,
         aws_access_key_id=ACCESS_KEY_ID,
         aws_secret_access_key=SECRET_ACCESS_KEY,
     )
+
+
+def fill_queue(endpoint: str, instances: list[str]) -> str:
+    sqs = sqs_client(endpoint)
     queue = sqs.create_queue(QueueName="burst")["QueueUrl"]
     for first in range(0, len(instances), 10):
         entries = [{"Id": str(i), "MessageBody": spot_message(instances[i])} for i in range(first, first + 10)]
@@ -81,13 +85,7 @@ def fill_queue(endpoint: str, instances: list[str]) -> str:
 
 
 def messages_left(endpoint: str, queue: str) -> int:
-    sqs = boto3.client(
-        "sqs",
-        region_name=REGION,
-        endpoint_url=endpoint,
-        aws_access_key_id=ACCESS_KEY_ID,
-        aws_secret_access_key=SECRET_ACCESS_KEY,
-    )
+    sqs = sqs_client(endpoint)
     attributes = sqs.get_queue_attributes(
         QueueUrl=queue, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
     )["Attributes"]

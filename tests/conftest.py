@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 
 from agent.fakes.engine import EngineConfig, serve_engine
+from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port
 from agent.metrics import CollectorRegistry
 from sidecar.engines import sum_samples
@@ -64,3 +68,26 @@ async def until(check: Callable[[], bool], *, timeout_s: float = 15) -> None:
     async with asyncio.timeout(timeout_s):
         while not check():
             await asyncio.sleep(0.02)
+
+
+@asynccontextmanager
+async def node_agent(kube: FakeKube, kubeconfig: Path, *flags: str, stop_within_s: float = 15) -> AsyncIterator[int]:
+    """``spotdrain node`` in this loop, on loopback ports, with ``flags``; yields its notice port.
+
+    Leaving the block sends this process SIGTERM, which the agent's handler turns into its own shutdown.
+    """
+    from agent.cli import build_parser
+    from daemonset.main import run
+    from daemonset.settings import from_arguments
+
+    notice_port = free_port()
+    argv = ["node", "--kubeconfig", str(kube.write_kubeconfig(kubeconfig)), "--host", "127.0.0.1"]
+    argv += ["--metrics-port", str(free_port()), "--notice-port", str(notice_port), "--eviction-delay", "0.1", *flags]
+    ready = asyncio.Event()
+    task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        yield notice_port
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, stop_within_s) == 0

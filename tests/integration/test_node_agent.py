@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,15 +13,12 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.cli import build_parser
 from agent.clock import rfc3339, utcnow
 from agent.fakes.imds import FakeImds, serving
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port
-from daemonset.main import run
 from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
-from daemonset.settings import from_arguments
-from tests.conftest import status_of, until
+from tests.conftest import node_agent, status_of, until
 
 INSTANCE = "i-0123456789abcdef0"
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
@@ -53,22 +48,10 @@ def containers_exit_soon(kube: FakeKube) -> Callable[[dict[str, Any], int], Awai
     return exit_soon
 
 
-@asynccontextmanager
-async def agent(kube: FakeKube, imds_url: str, tmp_path: Path, *flags: str) -> AsyncIterator[int]:
-    """Run the node agent in this loop; yields its notice port. SIGTERM stops it on leaving."""
-    notice_port = free_port()
-    kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
-    argv = ["node", "--node-name", "gpu-1", "--kubeconfig", str(kubeconfig), "--imds-url", imds_url]
-    argv += ["--host", "127.0.0.1", "--metrics-port", str(free_port()), "--notice-port", str(notice_port)]
-    argv += ["--imds-interval", "0.1", "--eviction-delay", "0.1", *flags]
-    ready = asyncio.Event()
-    task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))
-    await asyncio.wait_for(ready.wait(), 10)
-    try:
-        yield notice_port
-    finally:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert await asyncio.wait_for(task, 10) == 0
+def agent(kube: FakeKube, imds_url: str, tmp_path: Path, *flags: str) -> AbstractAsyncContextManager[int]:
+    """The node agent in IMDS mode for gpu-1, polling the fake IMDS every 0.1 s; yields its notice port."""
+    imds = ("--node-name", "gpu-1", "--imds-url", imds_url, "--imds-interval", "0.1")
+    return node_agent(kube, tmp_path / "kubeconfig", *imds, *flags, stop_within_s=10)
 
 
 def cordoned(kube: FakeKube) -> bool:

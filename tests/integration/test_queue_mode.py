@@ -4,26 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from agent.cli import build_parser
 from agent.clock import rfc3339, utcnow
 from agent.fakes.aws import REGION, MotoServer
 from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port
-from daemonset.main import run
 from daemonset.planning import TAINT_KEY
-from daemonset.settings import from_arguments
-from tests.conftest import status_of, until
+from tests.conftest import node_agent, status_of, until
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
@@ -67,21 +61,19 @@ def lifecycle(instance: str, token: str) -> str:
     )
 
 
-@asynccontextmanager
-async def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path) -> AsyncIterator[int]:
-    notice_port = free_port()
-    argv = ["node", "--queue-url", queue, "--aws-region", REGION, "--aws-endpoint-url", moto.endpoint_url]
-    argv += ["--kubeconfig", str(kube.write_kubeconfig(tmp_path / "kubeconfig")), "--sqs-wait-time", "1"]
-    argv += ["--host", "127.0.0.1", "--metrics-port", str(free_port()), "--notice-port", str(notice_port)]
-    argv += ["--eviction-delay", "0.1", "--api-qps", "200", "--api-burst", "100"]
-    ready = asyncio.Event()
-    task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))
-    await asyncio.wait_for(ready.wait(), 10)
-    try:
-        yield notice_port
-    finally:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert await asyncio.wait_for(task, 15) == 0
+def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path) -> AbstractAsyncContextManager[int]:
+    """The node agent in queue mode on moto's queue; yields its notice port."""
+    aws = (
+        "--queue-url",
+        queue,
+        "--aws-region",
+        REGION,
+        "--aws-endpoint-url",
+        moto.endpoint_url,
+        "--sqs-wait-time",
+        "1",
+    )
+    return node_agent(kube, tmp_path / "kubeconfig", *aws, "--api-qps", "200", "--api-burst", "100")
 
 
 def messages_left(sqs: SQSClient, queue: str) -> int:
