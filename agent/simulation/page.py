@@ -141,7 +141,8 @@ def timeline_svg(result: RunResult) -> str:
     end = max([e.at for e in result.events] + [s.deadline_at or 0.0]) + 0.5
     scale = Scale(max(0.0, begin - 0.5), end)
     height = TOP + len(s.pods) * POD_H + GAP + len(streams) * STREAM_H + 10
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LABEL_W + PLOT_W + 20}" height="{height + 20}">']
+    # Room on the right for the last marker's label (the deadline's).
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LABEL_W + PLOT_W + 70}" height="{height + 20}">']
     for tick in scale.ticks():
         x = scale.x(tick)
         parts.append(f'<line class="axis" x1="{x}" y1="{TOP}" x2="{x}" y2="{height}"/>')
