@@ -49,6 +49,17 @@ def port(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """A whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def http_url(text: str) -> str:
     """An absolute http(s) URL without a trailing slash."""
     parts = urlsplit(text)
@@ -134,10 +145,15 @@ def require(condition: bool, message: str) -> None:
         raise SettingsError(message)
 
 
-def _plain(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    return {key: str(value) if isinstance(value, os.PathLike) else value for key, value in pairs}
+def plain(settings: Any) -> dict[str, Any]:
+    """A settings dataclass as plain data for logs and JSON: nested dicts, paths as strings."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        return {key: str(value) if isinstance(value, os.PathLike) else value for key, value in items}
+
+    return dataclasses.asdict(settings, dict_factory=pairs)
 
 
 def log_effective(program: str, settings: Any) -> None:
     """Log the whole effective configuration once, at start."""
-    log.info("settings.effective", program=program, **dataclasses.asdict(settings, dict_factory=_plain))
+    log.info("settings.effective", program=program, **plain(settings))

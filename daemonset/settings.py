@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from agent.settings import add_flag, add_switch, http_url, port, require, seconds
+from agent.settings import add_flag, add_switch, http_url, port, positive_int, require, seconds
 from daemonset.cache_settings import CacheSettings, add_cache_arguments
 from daemonset.cache_settings import from_arguments as cache_from_arguments
 
@@ -62,13 +62,6 @@ class NodeSettings:
         return self.sqs.queue_url is not None
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--node-name", aliases=("NODE_NAME",), help="this node (IMDS mode; downward API spec.nodeName)")
     add_flag(parser, "--pod-name", aliases=("POD_NAME",), help="the agent's own pod, never evicted")
@@ -82,15 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(
         parser,
         "--max-receives",
-        convert=_positive_int,
+        convert=positive_int,
         default=5,
         help="receives of a message for an unknown instance before it is dropped",
     )
     add_flag(parser, "--sqs-wait-time", convert=seconds, default=20.0, help="SQS long-polling wait, at most 20 s")
-    add_flag(parser, "--sqs-max-in-flight", convert=_positive_int, default=200, help="messages handled at once")
+    add_flag(parser, "--sqs-max-in-flight", convert=positive_int, default=200, help="messages handled at once")
     add_flag(parser, "--kubeconfig", aliases=("KUBECONFIG",), help="kubeconfig file (default: in-cluster)")
     add_flag(parser, "--api-qps", convert=float, default=10.0, help="Kubernetes API calls per second")
-    add_flag(parser, "--api-burst", convert=_positive_int, default=20, help="Kubernetes API calls in a burst")
+    add_flag(parser, "--api-burst", convert=positive_int, default=20, help="Kubernetes API calls in a burst")
     add_switch(parser, "--evict", default=True, help="evict the node's pods after tainting it")
     add_switch(parser, "--dry-run", default=False, help="log every change and make none")
     add_flag(

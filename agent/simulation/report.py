@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
+from agent.settings import plain
 from agent.simulation.run import RunResult
 from agent.simulation.scenarios import Scenario
 from agent.simulation.settings import SimulationSettings
@@ -112,14 +112,8 @@ def render(result: RunResult) -> str:
     return "\n".join([*lines, "", verdict(result)])
 
 
-def _plain(value: Any) -> Any:
-    return str(value) if isinstance(value, Path) else value
-
-
 def as_json(result: RunResult) -> dict[str, Any]:
-    settings = dataclasses.asdict(
-        result.settings, dict_factory=lambda pairs: {key: _plain(value) for key, value in pairs}
-    )
+    settings = plain(result.settings)
     return {
         "scenario": result.scenario.name,
         "title": result.scenario.title,

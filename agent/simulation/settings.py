@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.settings import add_flag, add_switch, require, seconds
+from agent.settings import add_flag, add_switch, positive_int, require, seconds
 
 SPOT_NOTICE_S = 120.0
 ENGINE_EXIT_MARGIN_S = 10.0  # sidecar.draining.ENGINE_EXIT_MARGIN; not imported, this module must stay light
@@ -61,17 +61,10 @@ class SimulationSettings:
     log_dir: Path | None = None
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--scenario", default="short-streams", choices=SCENARIO_NAMES, help="what to play")
-    add_flag(parser, "--pods", convert=_count, default=3, help="inference pods on the node")
-    add_flag(parser, "--streams-per-pod", convert=_count, default=4, help="concurrent streams per pod")
+    add_flag(parser, "--pods", convert=positive_int, default=3, help="inference pods on the node")
+    add_flag(parser, "--streams-per-pod", convert=positive_int, default=4, help="concurrent streams per pod")
     add_flag(parser, "--notice-seconds", convert=seconds, default=20.0, help="the notice, standing for 120 s")
     add_flag(parser, "--tokens-per-second", convert=float, default=20.0, help="each fake engine's stream speed")
     add_flag(parser, "--seed", convert=int, default=1, help="seed of the stream lengths")
