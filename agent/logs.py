@@ -8,6 +8,16 @@ import sys
 import structlog
 
 
+class _Stderr:
+    """Whatever ``sys.stderr`` is at the time of writing: loggers are cached, the stream may be replaced later."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
     """Send structured events to stderr; ``json=None`` picks JSON unless stderr is a terminal."""
     as_json = not sys.stderr.isatty() if json is None else json
@@ -23,6 +33,6 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
