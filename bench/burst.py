@@ -8,18 +8,17 @@ process of its own so that the harness does not share a core with the fake API s
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import boto3
 
-from agent.clock import rfc3339, utcnow
+from agent.clock import utcnow
 from agent.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
+from agent.fakes.events import spot_warning
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port, start
 from bench.common import Result, cpu_s
@@ -34,22 +33,6 @@ NODES = 1000
 API_LATENCY_S = 0.010
 TARGET_S = 10.0
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": ACCESS_KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET_ACCESS_KEY}
-
-
-def spot_message(instance: str) -> str:
-    return json.dumps(
-        {
-            "version": "0",
-            "id": str(uuid.uuid4()),
-            "detail-type": "EC2 Spot Instance Interruption Warning",
-            "source": "aws.ec2",
-            "account": "123456789012",
-            "time": rfc3339(utcnow().replace(microsecond=0)),
-            "region": REGION,
-            "resources": [],
-            "detail": {"instance-id": instance, "instance-action": "terminate"},
-        }
-    )
 
 
 def tainted(kube: FakeKube) -> int:
@@ -79,7 +62,9 @@ def fill_queue(endpoint: str, instances: list[str]) -> str:
     sqs = sqs_client(endpoint)
     queue = sqs.create_queue(QueueName="burst")["QueueUrl"]
     for first in range(0, len(instances), 10):
-        entries = [{"Id": str(i), "MessageBody": spot_message(instances[i])} for i in range(first, first + 10)]
+        batch = instances[first : first + 10]
+        bodies = [spot_warning(instance, time=utcnow(), region=REGION) for instance in batch]
+        entries = [{"Id": str(i), "MessageBody": body} for i, body in enumerate(bodies)]
         sqs.send_message_batch(QueueUrl=queue, Entries=entries)  # type: ignore[arg-type]
     return queue
 

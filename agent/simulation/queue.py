@@ -8,16 +8,13 @@ message that spent that long on its way looks like; the agent times the drain fr
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
-from agent.clock import rfc3339
+from agent.fakes.events import spot_warning
 from agent.simulation.procs import ProcessGroup
 
 SPOT_WARNING = timedelta(seconds=120)
-ACCOUNT = "123456789012"
 
 
 class Queue:
@@ -53,7 +50,7 @@ class Queue:
         return {"--queue-url": self.url, "--aws-region": self.region, "--aws-endpoint-url": self.endpoint_url}
 
     async def send_spot_warning(self, *, instance: str, deadline: datetime) -> None:
-        body = spot_warning(instance=instance, sent=deadline - SPOT_WARNING, region=self.region)
+        body = spot_warning(instance, time=deadline - SPOT_WARNING, region=self.region)
         await asyncio.to_thread(self._client.send_message, QueueUrl=self.url, MessageBody=body)
 
     async def empty(self) -> bool:
@@ -71,20 +68,3 @@ class Queue:
         except TimeoutError:
             return False
         return True
-
-
-def spot_warning(*, instance: str, sent: datetime, region: str) -> str:
-    """The EventBridge event EC2 sends two minutes before it reclaims a Spot instance."""
-    return json.dumps(
-        {
-            "version": "0",
-            "id": str(uuid.uuid4()),
-            "detail-type": "EC2 Spot Instance Interruption Warning",
-            "source": "aws.ec2",
-            "account": ACCOUNT,
-            "time": rfc3339(sent),
-            "region": region,
-            "resources": [f"arn:aws:ec2:{region}a:instance/{instance}"],
-            "detail": {"instance-id": instance, "instance-action": "terminate"},
-        }
-    )

@@ -15,6 +15,7 @@ import pytest
 
 from agent.clock import rfc3339, utcnow
 from agent.fakes.aws import REGION, MotoServer
+from agent.fakes.events import spot_warning
 from agent.fakes.kube import FakeKube
 from daemonset.planning import TAINT_KEY
 from tests.conftest import node_agent, status_of, until
@@ -27,24 +28,8 @@ if TYPE_CHECKING:
 EXIT_S = 0.8
 
 
-def envelope(detail_type: str, detail: dict[str, Any], source: str = "aws.ec2") -> str:
-    return json.dumps(
-        {
-            "version": "0",
-            "id": str(uuid.uuid4()),
-            "detail-type": detail_type,
-            "source": source,
-            "account": "123456789012",
-            "time": rfc3339(utcnow().replace(microsecond=0)),
-            "region": REGION,
-            "resources": [],
-            "detail": detail,
-        }
-    )
-
-
 def spot(instance: str) -> str:
-    return envelope("EC2 Spot Instance Interruption Warning", {"instance-id": instance, "instance-action": "terminate"})
+    return spot_warning(instance, time=utcnow(), region=REGION)
 
 
 def lifecycle(instance: str, token: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agent.fakes.aws import REGION, MotoServer
+from agent.fakes.events import eventbridge
 from agent.metrics import CollectorRegistry
 from daemonset.notice import Kind, Notice
 from daemonset.sqs import SqsMetrics, SqsSource
@@ -26,17 +27,7 @@ MakeSource = Callable[..., SqsSource]
 
 
 def event(detail_type: str, detail: dict[str, Any], *, source: str = "aws.ec2") -> dict[str, Any]:
-    return {
-        "version": "0",
-        "id": str(uuid.uuid4()),
-        "detail-type": detail_type,
-        "source": source,
-        "account": "123456789012",
-        "time": "2026-11-29T10:20:00Z",
-        "region": REGION,
-        "resources": [],
-        "detail": detail,
-    }
+    return eventbridge(detail_type, detail, time="2026-11-29T10:20:00Z", region=REGION, source=source)
 
 
 def sns(message: dict[str, Any]) -> dict[str, Any]:
