@@ -20,11 +20,10 @@ from agent.clock import utcnow
 from agent.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
 from agent.fakes.events import spot_warning
 from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, start
+from agent.fakes.processes import free_port, start, status_of
 from bench.common import Result, cpu_s
 from daemonset.planning import TAINT_KEY
 from sidecar.engines import sum_samples
-from tests.conftest import status_of
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient

@@ -41,11 +41,6 @@ async def scrape(url: str, name: str) -> float | None:
         return sum_samples(await response.text(), name)
 
 
-async def status_of(url: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
-        return response.status, await response.text()
-
-
 def every_series() -> CollectorRegistry:
     """A registry holding every series the two programs export, as they are at start."""
     from daemonset.cache_main import CacheMetrics

@@ -37,6 +37,12 @@ async def wait_http(url: str, *, timeout_s: float = 10.0, status: int | None = N
             await asyncio.sleep(0.05)
 
 
+async def status_of(url: str) -> tuple[int, str]:
+    """One GET: the status and the body."""
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return response.status, await response.text()
+
+
 async def start(
     args: Sequence[str], *, log_path: Path, env: dict[str, str] | None = None
 ) -> asyncio.subprocess.Process:

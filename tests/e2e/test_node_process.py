@@ -14,8 +14,7 @@ import pytest
 from agent.clock import utcnow
 from agent.fakes.imds import FakeImds, serving
 from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, start, wait_http
-from tests.conftest import status_of
+from agent.fakes.processes import free_port, start, status_of, wait_http
 
 pytestmark = pytest.mark.e2e
 INSTANCE = "i-0123456789abcdef0"

@@ -16,9 +16,9 @@ from structlog.testing import capture_logs
 from agent.clock import rfc3339, utcnow
 from agent.fakes.imds import FakeImds, serving
 from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port
+from agent.fakes.processes import free_port, status_of
 from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
-from tests.conftest import node_agent, status_of, until
+from tests.conftest import node_agent, until
 
 INSTANCE = "i-0123456789abcdef0"
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}

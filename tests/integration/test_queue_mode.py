@@ -17,8 +17,9 @@ from agent.clock import rfc3339, utcnow
 from agent.fakes.aws import REGION, MotoServer
 from agent.fakes.events import spot_warning
 from agent.fakes.kube import FakeKube
+from agent.fakes.processes import status_of
 from daemonset.planning import TAINT_KEY
-from tests.conftest import node_agent, status_of, until
+from tests.conftest import node_agent, until
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient

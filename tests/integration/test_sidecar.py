@@ -16,10 +16,10 @@ from structlog.testing import capture_logs
 from agent.cli import build_parser
 from agent.fakes.engine import EngineConfig
 from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, stream
+from agent.fakes.processes import free_port, status_of, stream
 from sidecar.main import run
 from sidecar.settings import from_arguments
-from tests.conftest import running_engine, scrape, status_of
+from tests.conftest import running_engine, scrape
 
 
 class Sidecar:
