@@ -25,7 +25,8 @@ def drain_deadline(lifecycle: Lifecycle, settings: DrainSettings, started_at: fl
     """The loop time by which the drain ends: the drain timeout, or sooner if a notice's deadline demands it."""
     deadline = started_at + settings.timeout_s
     if lifecycle.notice_deadline is not None:
-        left_s = (lifecycle.notice_deadline - ENGINE_EXIT_MARGIN - utcnow()).total_seconds()
+        # A difference of two datetimes cannot overflow, as a deadline minus the margin can (year 1).
+        left_s = (lifecycle.notice_deadline - utcnow()).total_seconds() - ENGINE_EXIT_MARGIN.total_seconds()
         deadline = min(deadline, started_at + max(0.0, left_s))
     return deadline
 

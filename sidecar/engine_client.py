@@ -91,7 +91,8 @@ class EngineClient:
             ) as response:
                 if response.status != 200:
                     raise MetricsError("http", f"metrics page answered HTTP {response.status}")
-                return await response.text(errors="replace")
+                # The text format is UTF-8 whatever the header says: a charset Python does not know would raise.
+                return (await response.read()).decode("utf-8", errors="replace")
         except (TimeoutError, aiohttp.ClientError) as error:
             raise MetricsError("unreachable", f"metrics page unreachable: {type(error).__name__}: {error}") from None
 

@@ -7,6 +7,7 @@ many histograms is mostly lines we would throw away.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -67,18 +68,23 @@ class EngineReading:
 
 
 _SEPARATORS = (" ", "\t", "{")
+# A label set: quoted values may hold any character, braces and `#` included, with backslash escapes.
+_LABEL_SET = re.compile(r'\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\}')
 
 
 def _sample_value(line: str, name: str) -> float:
-    """The value of one sample line that follows the metric name (labels, value, optional timestamp)."""
+    """The value of one sample line that follows the metric name: labels, value, timestamp, exemplar.
+
+    An OpenMetrics exemplar (``4 # {trace_id="abc"} 0 1700000000``) carries a value of its own: everything from
+    the ``#`` after the sample's value is dropped, never read as the sample.
+    """
     rest = line
     if rest.startswith("{"):
-        # Label values may hold any character, but the value and timestamp after the last brace cannot.
-        close = rest.rfind("}")
-        if close == -1:
+        labels = _LABEL_SET.match(rest)
+        if labels is None:
             raise MetricsError("malformed", f"{name}: unterminated label set")
-        rest = rest[close + 1 :]
-    fields = rest.split()
+        rest = rest[labels.end() :]
+    fields = rest.partition("#")[0].split()
     if not 1 <= len(fields) <= 2:
         raise MetricsError("malformed", f"{name}: expected a value, got {rest.strip()[:40]!r}")
     try:
@@ -86,7 +92,7 @@ def _sample_value(line: str, name: str) -> float:
     except ValueError:
         raise MetricsError("malformed", f"{name}: {fields[0][:40]!r} is not a number") from None
     if not math.isfinite(value) or value < 0:
-        raise MetricsError("malformed", f"{name}: {fields[0]} is not a count")
+        raise MetricsError("malformed", f"{name}: {fields[0][:40]} is not a count")
     return value
 
 
@@ -110,6 +116,8 @@ def sum_samples(page: str, name: str) -> float | None:
             end = page.find("\n", begin)
             total += _sample_value(page[begin : len(page) if end == -1 else end], name)
             found = True
+    if not math.isfinite(total):
+        raise MetricsError("malformed", f"{name}: the samples add up to more than a count can be")
     return total if found else None
 
 

@@ -29,6 +29,10 @@ DEFINITIVE = frozenset(
 )
 
 
+class NoticeError(ValueError):
+    """The endpoint's answer cannot be a notice (whatever the reason: status, JSON, a field, a date)."""
+
+
 @dataclass(frozen=True)
 class NodeNotice:
     id: str
@@ -37,26 +41,36 @@ class NodeNotice:
     source: str
 
 
-def parse_notice(status: int, body: str) -> NodeNotice | None:
-    """The endpoint's answer as a notice to drain for, or None; raises ValueError for an answer it cannot be."""
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def parse_notice(status: int, body: bytes | str) -> NodeNotice | None:
+    """The endpoint's answer as a notice to drain for, or None; raises NoticeError for an answer it cannot be.
+
+    Whatever the body holds, NoticeError is the only exception: deep nesting (RecursionError) and dates beyond
+    what a datetime holds (OverflowError, e.g. year 1 with a positive offset) included.
+    """
     if status == 204:
         return None
     if status != 200:
-        raise ValueError(f"notice endpoint answered HTTP {status}")
-    data = json.loads(body)
+        raise NoticeError(f"notice endpoint answered HTTP {status}")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise NoticeError(f"notice is not JSON: {type(error).__name__}") from None
     if not isinstance(data, dict):
-        raise ValueError("notice is not a JSON object")
+        raise NoticeError("notice is not a JSON object")
     kind, deadline = data.get("kind"), data.get("deadline")
     if not isinstance(kind, str) or not isinstance(deadline, str):
-        raise ValueError("notice lacks kind or deadline")
+        raise NoticeError("notice lacks kind or deadline")
     if kind not in DEFINITIVE:
         return None
-    return NodeNotice(
-        id=str(data.get("id", "")),
-        kind=kind,
-        deadline=parse_rfc3339(deadline),
-        source=str(data.get("source", "")),
-    )
+    try:
+        moment = parse_rfc3339(deadline)
+    except (ValueError, OverflowError) as error:
+        raise NoticeError(f"notice deadline {deadline[:40]!r} is not a time: {type(error).__name__}") from None
+    return NodeNotice(id=_text(data.get("id")), kind=kind, deadline=moment, source=_text(data.get("source")))
 
 
 async def notice_watcher(
@@ -67,13 +81,17 @@ async def notice_watcher(
     *,
     interval_s: float,
 ) -> None:
-    """Polls ``url`` until a definitive notice arrives or a drain starts another way; returns then."""
+    """Polls ``url`` until a definitive notice arrives or a drain starts another way; returns then.
+
+    An answer that is no notice (unreachable, an error status, a body of any bytes) is counted, logged once per
+    run of failures, and polled again: nothing the endpoint answers ends the sidecar.
+    """
     timeout = aiohttp.ClientTimeout(total=max(1.0, interval_s))
     failing = False
     while not lifecycle.drain_asked.is_set():
         try:
             async with session.get(url, timeout=timeout) as response:
-                notice = parse_notice(response.status, await response.text())
+                notice = parse_notice(response.status, await response.read())
         except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             metrics.notice_errors.inc()
             if not failing:

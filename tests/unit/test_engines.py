@@ -136,3 +136,45 @@ def test_sum_over_label_sets_matches_the_values_written(values: list[int], waiti
     lines = [f'vllm:num_requests_running{{engine="{i}",model_name="m"}} {v}.0' for i, v in enumerate(values)]
     lines.append(f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}')
     assert in_flight("\n".join(lines), ENGINES["vllm"]) == sum(values) + waiting
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        'vllm:num_requests_running{engine="0",model_name="m"} 4 # {trace_id="abc"} 0 1700000000\n',
+        'vllm:num_requests_running{engine="0",model_name="m"} 4 1700000000000 # {trace_id="abc"} 0\n',
+        'vllm:num_requests_running 4 # {trace_id="abc"} 0 1700000000\n',
+        'vllm:num_requests_running{model_name="a # {b} \\"c\\""} 4 # {trace_id="}"} 0\n',
+    ],
+)
+def test_an_exemplar_is_never_read_as_the_samples_value(page: str) -> None:
+    assert in_flight(page, ENGINES["vllm"]) == 4
+
+
+def test_samples_that_add_up_past_a_float_are_malformed_not_an_overflow() -> None:
+    page = 'vllm:num_requests_running{engine="0"} 1e308\nvllm:num_requests_running{engine="1"} 1e308\n'
+    with pytest.raises(MetricsError) as caught:
+        in_flight(page, ENGINES["vllm"])
+    assert caught.value.kind == "malformed"
+
+
+@given(st.binary(max_size=400))
+def test_no_bytes_make_a_reader_fail_other_than_with_metrics_error(raw: bytes) -> None:
+    page = raw.decode("utf-8", errors="replace")
+    for engine in (*ENGINES.values(), custom_engine("vllm:num_requests_running,x")):
+        try:
+            assert read_engine(page, engine).in_flight >= 0
+        except MetricsError:
+            continue
+
+
+@given(
+    st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=5),
+    st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=5, max_size=5),
+)
+def test_exemplars_of_any_value_leave_the_sum_of_the_samples(values: list[int], exemplars: list[float]) -> None:
+    lines = [
+        f'vllm:num_requests_running{{engine="{i}"}} {v} # {{trace_id="t{i}"}} {exemplars[i]} 1700000000.5'
+        for i, v in enumerate(values)
+    ]
+    assert in_flight("\n".join(lines), ENGINES["vllm"]) == sum(values)
