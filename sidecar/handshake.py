@@ -1,35 +1,61 @@
 """The drain handshake with the engine container, through files in an emptyDir both containers mount.
 
 The engine's preStop is ``exec: [/bin/sh, <dir>/prestop]``. The script creates ``<dir>/drain`` and waits for
-``<dir>/drained``, which the sidecar writes once no stream is left, so the engine gets its SIGTERM only then.
+``<dir>/drained``, which the sidecar writes once no stream is left, so the engine gets its SIGTERM only then. It
+waits by blocking on a read of the FIFO ``<dir>/hold``, which this process holds open until then: the engine image
+needs nothing but ``sh`` (dash, busybox ash or bash, not even ``sleep``), and the script wakes at once when the
+sidecar closes the FIFO, whether because it drained or because it died.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PRESTOP_TEMPLATE = """\
 #!/bin/sh
-# preStop hook of the engine container, written by the spotdrain sidecar.
-# Asks the sidecar to drain this pod and returns once every stream has finished,
-# or after {limit_s} s if the sidecar never answers (the pod's grace period ends it sooner).
+# preStop hook of the engine container, written by the spotdrain sidecar: shell builtins only, no PATH needed.
+# Asks the sidecar to drain this pod and returns once every stream has finished. The sidecar holds the FIFO
+# "hold" open while it drains and closes it once "drained" exists, so the read below blocks without a timer and
+# wakes at once, also when the sidecar dies. Where a sleep command exists, a timer ends the wait after {limit_s} s
+# (a hung sidecar) and a sidecar that died is waited for until then; without one, a dead sidecar ends it at once.
 dir='{directory}'
-: > "$dir/drain"
-waited=0
-while [ ! -e "$dir/drained" ] && [ "$waited" -lt {ticks} ]; do
-  sleep 0.2 2>/dev/null || sleep 1
-  waited=$((waited + 1))
+true > "$dir/drain"
+[ -e "$dir/drained" ] && exit 0
+[ -p "$dir/hold" ] || exit 0
+centis() {{ read -r up _ < /proc/uptime && echo $(( ${{up%.*}} * 100 + 1${{up#*.}} - 100 )); }}
+start=$(centis) || start=
+timer=
+if [ -n "$start" ] && command -v sleep > /dev/null 2>&1; then
+  # Wakes the read below by writing a line into the FIFO; opened read-write, so the open never blocks.
+  ( trap 'kill "$s"; wait "$s"; exit 0' TERM; sleep {limit_s} & s=$!; wait "$s"; exec 5<>"$dir/hold"; echo >&5 ) \\
+    < /dev/null > /dev/null 2>&1 &
+  timer=$!
+fi
+# Open for writing first so that the open for reading cannot block; then the sidecar is the only writer.
+exec 3<>"$dir/hold" 4<"$dir/hold" 3>&-
+while [ ! -e "$dir/drained" ]; do
+  if read -r _ <&4; then
+    [ -n "$timer" ] && [ $(( $(centis) - start )) -ge {limit_cs} ] && break
+  else
+    # End of file: no writer is left. Unless it drained, the sidecar is gone: only with a timer is a new one waited for.
+    [ -e "$dir/drained" ] || [ -z "$timer" ] && break
+    exec 4<&- 4<"$dir/hold"
+  fi
 done
+exec 4<&-
+[ -n "$timer" ] && {{ kill "$timer" 2> /dev/null; wait "$timer"; }}
 exit 0
 """
 
 
-@dataclass(frozen=True)
+@dataclass
 class DrainDir:
     path: Path
+    _hold: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def prestop(self) -> Path:
@@ -43,19 +69,24 @@ class DrainDir:
     def drained(self) -> Path:
         return self.path / "drained"
 
+    @property
+    def hold(self) -> Path:
+        return self.path / "hold"
+
     def prepare(self, *, limit_s: float) -> bool:
-        """Write the preStop script (atomically) and clear a stale ``drained``; True if a drain is already asked.
+        """Write the preStop script (atomically), hold the FIFO it waits on, clear a stale ``drained``; True if a
+        drain is already asked.
 
         The directory outlives a restart of the sidecar container, so a ``drain`` left by a preStop that is
         still waiting must be honoured, while a ``drained`` from before would release the engine too early.
         """
         self.path.mkdir(parents=True, exist_ok=True)
         self.drained.unlink(missing_ok=True)
-        # Counted in 0.2 s ticks; with integer-only sleep each tick lasts 1 s and the wait is longer, never shorter.
+        self._open_hold()
         script = PRESTOP_TEMPLATE.format(
             directory=str(self.path).replace("'", "'\\''"),
             limit_s=math.ceil(limit_s),
-            ticks=math.ceil(limit_s * 5),
+            limit_cs=math.ceil(limit_s * 100),
         )
         partial = self.path / ".prestop.partial"
         partial.write_text(script)
@@ -63,8 +94,26 @@ class DrainDir:
         os.replace(partial, self.prestop)
         return self.drain.exists()
 
+    def _open_hold(self) -> None:
+        """Make the FIFO (kept from a previous run: a waiting preStop may have it open) and hold it open.
+
+        Read-write, so the open does not wait for a reader (Linux), and non-blocking, so nothing here ever waits.
+        The engine may run as another user: it needs to open the FIFO read-write too.
+        """
+        if self.hold.is_symlink() or (self.hold.exists() and not stat.S_ISFIFO(self.hold.stat().st_mode)):
+            self.hold.unlink()
+        if not self.hold.exists():
+            os.mkfifo(self.hold)
+        os.chmod(self.hold, 0o666)
+        if self._hold is None:
+            self._hold = os.open(self.hold, os.O_RDWR | os.O_NONBLOCK)
+
     def drain_requested(self) -> bool:
         return self.drain.exists()
 
     def mark_drained(self) -> None:
+        """Write ``drained``, then let go of the FIFO: a waiting preStop wakes and finds the file."""
         self.drained.touch()
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None

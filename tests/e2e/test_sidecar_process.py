@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -132,3 +133,24 @@ async def test_a_gauge_left_up_by_clients_that_went_away_ends_as_a_stall_not_a_t
     assert loop.time() - sent < 5
     finished = [e for e in pod.log_events() if e["event"] == "drain.finished"]
     assert [e["outcome"] for e in finished] == ["stalled"]
+
+
+async def test_a_prestop_under_dash_with_no_path_holds_the_engine_and_lets_go_when_the_sidecar_is_killed(
+    pod: Pod,
+) -> None:
+    dash = shutil.which("dash")
+    if dash is None:
+        pytest.skip("dash is not installed here (Debian: apt-get install dash)")
+    running = asyncio.create_task(stream(pod.engine_port, max_tokens=500))
+    await asyncio.sleep(0.1)
+    hook = await asyncio.create_subprocess_exec(dash, str(pod.drain_dir / "prestop"), env={"PATH": ""})
+    await asyncio.sleep(0.6)
+    assert hook.returncode is None, "no sleep command, and still the hook waits while a stream runs"
+    loop = asyncio.get_running_loop()
+    pod.sidecar.kill()
+    await pod.sidecar.wait()
+    killed = loop.time()
+    assert await asyncio.wait_for(hook.wait(), 2) == 0, "a dead sidecar never holds the engine to the grace period"
+    assert loop.time() - killed < 0.5
+    assert not (pod.drain_dir / "drained").exists()
+    running.cancel()
