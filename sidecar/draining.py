@@ -12,6 +12,7 @@ from sidecar.engine_client import EngineClient
 from sidecar.handshake import DrainDir
 from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
+from sidecar.record import DrainRecord, write_record
 from sidecar.settings import DrainSettings
 from sidecar.state import Drain, Outcome, next_poll_delay, observe, streams_cut
 
@@ -40,11 +41,14 @@ async def drainer(
 ) -> None:
     """Waits for a drain to be asked, follows the engine until it ends, writes ``drained``; returns then."""
     await lifecycle.drain_asked.wait()
+    started = lifecycle.started or utcnow()
+    _record_start(drain_dir, DrainRecord(lifecycle.reason or "", started, lifecycle.notice_deadline))
     loop = asyncio.get_running_loop()
-    started_at = loop.time()
+    # A resumed drain keeps the timeout and endpoint delay of the one it continues.
+    started_at = loop.time() - max(0.0, (utcnow() - started).total_seconds())
     drain = Drain(started_at=started_at, deadline=drain_deadline(lifecycle, settings, started_at))
     # Until endpoints have caught up, requests may still arrive: a zero now would prove nothing.
-    await asyncio.sleep(max(0.0, min(settings.endpoint_delay_s, drain.deadline - started_at)))
+    await asyncio.sleep(max(0.0, min(started_at + settings.endpoint_delay_s, drain.deadline) - loop.time()))
     while True:
         reading = await engine.read(previous=drain.last)
         drain, outcome = observe(drain, reading, stall_after_s=settings.stall_after_s)
@@ -54,6 +58,14 @@ async def drainer(
     _record(drain, outcome, loop.time() - started_at, metrics)
     drain_dir.mark_drained()
     lifecycle.finish()
+
+
+def _record_start(drain_dir: DrainDir, record: DrainRecord) -> None:
+    """Write the drain down where a restarted sidecar looks; without it, a restart would serve again."""
+    try:
+        write_record(drain_dir.draining, record)
+    except OSError as error:
+        log.warning("drain.record_failed", path=str(drain_dir.draining), error=f"{type(error).__name__}: {error}")
 
 
 def _record(drain: Drain, outcome: Outcome, duration_s: float, metrics: SidecarMetrics) -> None:

@@ -73,6 +73,10 @@ class DrainDir:
     def hold(self) -> Path:
         return self.path / "hold"
 
+    @property
+    def draining(self) -> Path:
+        return self.path / "draining"
+
     def prepare(self, *, limit_s: float) -> bool:
         """Write the preStop script (atomically), hold the FIFO it waits on, clear a stale ``drained``; True if a
         drain is already asked.

@@ -8,6 +8,7 @@ import signal
 
 import structlog
 
+from agent.clock import rfc3339, utcnow
 from agent.kube_rest import InCluster
 from agent.metrics import CollectorRegistry
 from agent.probes import probe_app, serve
@@ -20,6 +21,7 @@ from sidecar.handshake import DrainDir
 from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
 from sidecar.notices import notice_watcher
+from sidecar.record import DrainRecord, RecordError, read_record
 from sidecar.settings import SidecarSettings, from_arguments
 from sidecar.state import Phase
 
@@ -27,6 +29,20 @@ log = structlog.get_logger()
 
 # How long the preStop script waits for the sidecar beyond the drain timeout, should the sidecar be gone.
 PRESTOP_SLACK_S = 15.0
+
+
+def resumed_drain(drain_dir: DrainDir, metrics: SidecarMetrics) -> DrainRecord | None:
+    """The drain a sidecar before this one started in this pod, if any: it goes on, the pod never serves again."""
+    try:
+        record = read_record(drain_dir.draining)
+    except RecordError as error:
+        metrics.record_errors.inc()
+        log.warning("drain.record_unreadable", path=str(drain_dir.draining), error=str(error))
+        record = DrainRecord("resumed", started=utcnow(), deadline=None)
+    if record is not None:
+        deadline = None if record.deadline is None else rfc3339(record.deadline)
+        log.info("drain.resumed", reason=record.reason, started=rfc3339(record.started), deadline=deadline)
+    return record
 
 
 async def prestop_watcher(drain_dir: DrainDir, lifecycle: Lifecycle, *, interval_s: float) -> None:
@@ -54,8 +70,12 @@ async def run(settings: SidecarSettings, *, ready_flag: asyncio.Event | None = N
     metrics = SidecarMetrics.create(registry)
     lifecycle = Lifecycle(metrics)
     drain_dir = DrainDir(settings.drain.dir)
-    # The preStop script must exist before /ready first answers 200.
-    if drain_dir.prepare(limit_s=settings.drain.timeout_s + PRESTOP_SLACK_S):
+    # The preStop script must exist before /ready first answers 200, and a drain in progress before it, resumed.
+    asked = drain_dir.prepare(limit_s=settings.drain.timeout_s + PRESTOP_SLACK_S)
+    resumed = resumed_drain(drain_dir, metrics)
+    if resumed is not None:
+        lifecycle.ask_drain(resumed.reason, deadline=resumed.deadline, started=resumed.started)
+    elif asked:
         lifecycle.ask_drain("prestop")
     stop = asyncio.Event()
     on_signals(lambda sig: lifecycle.terminated.set(), signal.SIGTERM, signal.SIGINT)

@@ -21,6 +21,7 @@ class SidecarMetrics:
     read_errors: Counter
     gate_errors: Counter
     notice_errors: Counter
+    record_errors: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> SidecarMetrics:
@@ -54,6 +55,11 @@ class SidecarMetrics:
             notice_errors=Counter(
                 "spotdrain_sidecar_notice_errors",
                 "Failed polls of the node agent's notice endpoint",
+                registry=registry,
+            ),
+            record_errors=Counter(
+                "spotdrain_sidecar_drain_record_errors",
+                "Unusable drain records found in the drain directory at start",
                 registry=registry,
             ),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -10,9 +11,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
+from agent.fakes.kube import FakeKube
 from agent.fakes.processes import engine_args, free_port, sidecar_args, start, status_of, stream, wait_http
+from tests.conftest import until
 
 pytestmark = pytest.mark.e2e
 
@@ -154,3 +159,81 @@ async def test_a_prestop_under_dash_with_no_path_holds_the_engine_and_lets_go_wh
     assert loop.time() - killed < 0.5
     assert not (pod.drain_dir / "drained").exists()
     running.cancel()
+
+
+async def test_a_sidecar_killed_mid_drain_and_started_again_resumes_draining_and_never_serves(tmp_path: Path) -> None:
+    notice = {"answer": (204, "")}
+
+    async def notice_endpoint(_: web.Request) -> web.Response:
+        status, body = notice["answer"]
+        return web.Response(status=status, text=body or None, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/notice", notice_endpoint)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    notice_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", notice_port).start()
+    processes: list[asyncio.subprocess.Process] = []
+    async with FakeKube() as kube:
+        kube.add_node("gpu-1")
+        kube.add_pod("ml", "vllm-0", node="gpu-1", readiness_gates=["spotdrain.io/serving"])
+        account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
+
+        def gate() -> str | None:
+            pod = kube.pod("ml", "vllm-0") or {}
+            found = [c for c in pod["status"].get("conditions", []) if c["type"] == "spotdrain.io/serving"]
+            return found[0]["status"] if found else None
+
+        engine_port = free_port()
+        drain_dir = tmp_path / "drain"
+        flags = ["--endpoint-delay", "0.3", "--poll-interval", str(POLL_S), "--drain-timeout", "30"]
+        flags += ["--notice-url", f"http://127.0.0.1:{notice_port}/v1/notice", "--readiness-gate"]
+        flags += ["--pod-name", "vllm-0", "--serviceaccount-dir", str(account)]
+
+        async def sidecar(name: str) -> tuple[asyncio.subprocess.Process, int]:
+            port = free_port()
+            args = sidecar_args(port=port, engine_port=engine_port, drain_dir=drain_dir, extra=flags)
+            process = await start(args, log_path=tmp_path / f"{name}.log", env=kube.service_env())
+            processes.append(process)
+            return process, port
+
+        try:
+            processes.append(
+                await start(engine_args(engine_port, "--tokens-per-second", "50"), log_path=tmp_path / "e")
+            )
+            first, port = await sidecar("first")
+            await wait_http(f"http://127.0.0.1:{port}/ready", status=200)
+            await until(lambda: gate() == "True", timeout_s=5)
+            running = asyncio.create_task(stream(engine_port, max_tokens=150))  # 3 s
+            await asyncio.sleep(0.2)
+            notice["answer"] = (200, '{"id":"n","kind":"spot-interruption","deadline":"2099-01-01T00:00:00Z"}')
+            await until(lambda: gate() == "False", timeout_s=5)
+            first.kill()
+            await first.wait()
+            # The node agent's endpoint is no help to the new sidecar: it must find the drain in its directory.
+            notice["answer"] = (500, "agent restarting")
+            _, port = await sidecar("second")
+            answers: list[int] = []
+            seen_gate: set[str | None] = set()
+            async with asyncio.timeout(8):
+                while not (drain_dir / "drained").exists():
+                    with contextlib.suppress(aiohttp.ClientError):  # until it listens
+                        answers.append((await status_of(f"http://127.0.0.1:{port}/ready"))[0])
+                    seen_gate.add(gate())
+                    await asyncio.sleep(0.02)
+            assert (await running)[-1] == "[DONE]", "the stream outlived the restart"
+            assert len(answers) > 10
+            assert set(answers) == {503}, "the restarted sidecar never answered ready"
+            assert seen_gate == {"False"}, "nor set the readiness gate True"
+            events = [json.loads(line) for line in (tmp_path / "second.log").read_text().splitlines() if "{" in line]
+            resumed = [e for e in events if e["event"] == "drain.resumed"]
+            assert [e["reason"] for e in resumed] == ["notice:spot-interruption"]
+            assert resumed[0]["deadline"] == "2099-01-01T00:00:00Z"
+            assert [e["outcome"] for e in events if e["event"] == "drain.finished"] == ["drained"]
+        finally:
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+            await runner.cleanup()

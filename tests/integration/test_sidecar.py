@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from agent.fakes.engine import EngineConfig
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port, status_of, stream
 from sidecar.main import run
+from sidecar.record import DrainRecord, write_record
 from sidecar.settings import from_arguments
 from tests.conftest import running_engine, scrape
 
@@ -74,6 +76,7 @@ async def test_every_series_exists_from_start_at_zero(tmp_path: Path) -> None:
             "spotdrain_sidecar_drain_duration_seconds_count",
             "spotdrain_sidecar_readiness_gate_errors_total",
             "spotdrain_sidecar_notice_errors_total",
+            "spotdrain_sidecar_drain_record_errors_total",
         ):
             assert await car.metric(name) == 0, name
         assert (tmp_path / "prestop").exists()
@@ -81,9 +84,10 @@ async def test_every_series_exists_from_start_at_zero(tmp_path: Path) -> None:
 
 async def test_ready_follows_the_engines_health(tmp_path: Path) -> None:
     async with running_engine(EngineConfig()) as engine:
-        async with sidecar(tmp_path, engine) as car:
+        async with sidecar(tmp_path / "up", engine) as car:
             assert await car.ready() == 200
-        async with sidecar(tmp_path, free_port()) as car:
+        # Another pod: the first one's drain directory records its drain, which a sidecar there would resume.
+        async with sidecar(tmp_path / "down", free_port()) as car:
             status, reason = await status_of(car.url + "/ready")
             assert (status, reason.strip()) == (503, "engine unreachable: ClientConnectorError")
 
@@ -258,3 +262,31 @@ async def test_a_gate_the_api_refuses_is_retried_counted_and_never_stops_the_sid
                 assert await car.metric("spotdrain_sidecar_readiness_gate_errors_total") == 3
                 assert await car.ready() == 200
                 assert not car.task.done()
+
+
+async def test_a_resumed_drain_keeps_the_timeout_and_deadline_it_started_with(tmp_path: Path) -> None:
+    started = datetime.now(UTC) - timedelta(seconds=1.5)
+    write_record(tmp_path / "draining", DrainRecord("notice:spot-interruption", started, None))
+    async with running_engine(EngineConfig(tokens_per_s=20)) as engine:
+        long = asyncio.create_task(stream(engine, max_tokens=400))
+        await asyncio.sleep(0.2)
+        with capture_logs() as logs:
+            async with sidecar(tmp_path, engine, "--drain-timeout", "2", "--poll-interval", "0.05") as car:
+                assert await car.ready() == 503
+                assert await car.metric('spotdrain_sidecar_state{state="draining"}') == 1
+                await car.wait_drained(1.5)
+        long.cancel()
+    timeouts = [e for e in logs if e["event"] == "drain.timeout"]
+    assert len(timeouts) == 1
+    assert 1.9 <= timeouts[0]["duration_s"] < 3, "2 s from the first sidecar's start, not from this one's"
+
+
+async def test_an_unusable_drain_record_still_resumes_the_drain_and_is_counted(tmp_path: Path) -> None:
+    (tmp_path / "draining").write_bytes(b"\x00{{not json")
+    async with running_engine(EngineConfig()) as engine:
+        with capture_logs() as logs:
+            async with sidecar(tmp_path, engine, "--poll-interval", "0.05") as car:
+                assert await car.ready() == 503
+                assert await car.metric("spotdrain_sidecar_drain_record_errors_total") == 1
+                await car.wait_drained(3)
+    assert [e["reason"] for e in logs if e["event"] == "drain.started"] == ["resumed"]
