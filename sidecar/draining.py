@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from functools import partial
 
 import structlog
 
@@ -14,7 +15,7 @@ from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
 from sidecar.record import DrainRecord, write_record
 from sidecar.settings import DrainSettings
-from sidecar.state import Drain, Outcome, next_poll_delay, observe, streams_cut
+from sidecar.state import Drain, Outcome, needs_connections, next_poll_delay, observe, streams_cut
 
 log = structlog.get_logger()
 
@@ -49,12 +50,14 @@ async def drainer(
     drain = Drain(started_at=started_at, deadline=drain_deadline(lifecycle, settings, started_at))
     # Until endpoints have caught up, requests may still arrive: a zero now would prove nothing.
     await asyncio.sleep(max(0.0, min(started_at + settings.endpoint_delay_s, drain.deadline) - loop.time()))
+    confirm_s = settings.zero_confirm_s
     while True:
-        reading = await engine.read(previous=drain.last)
-        drain, outcome = observe(drain, reading, stall_after_s=settings.stall_after_s)
+        reading = await engine.read(wants_connections=partial(needs_connections, drain, zero_confirm_s=confirm_s))
+        drain, outcome = observe(drain, reading, stall_after_s=settings.stall_after_s, zero_confirm_s=confirm_s)
         if outcome is not None:
             break
-        await asyncio.sleep(next_poll_delay(drain, loop.time(), poll_interval_s=settings.poll_interval_s))
+        delay = next_poll_delay(drain, loop.time(), poll_interval_s=settings.poll_interval_s, zero_confirm_s=confirm_s)
+        await asyncio.sleep(delay)
     _record(drain, outcome, loop.time() - started_at, metrics)
     drain_dir.mark_drained()
     lifecycle.finish()

@@ -13,7 +13,7 @@ from sidecar.engines import MetricsError, read_engine
 from sidecar.metrics import SidecarMetrics
 from sidecar.netstat import established_connections
 from sidecar.settings import EngineSettings
-from sidecar.state import Reading, needs_connections
+from sidecar.state import Reading
 
 log = structlog.get_logger()
 
@@ -44,6 +44,7 @@ class EngineClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.connections = connections
         self.last_error: str | None = None
+        self.connections_unknown = False  # no zero is believed while connections cannot be counted
 
     async def healthy(self) -> tuple[bool, str]:
         try:
@@ -56,11 +57,12 @@ class EngineClient:
         except (TimeoutError, aiohttp.ClientError) as error:
             return False, f"engine unreachable: {type(error).__name__}"
 
-    async def read(self, *, previous: Reading | None) -> Reading:
+    async def read(self, *, wants_connections: Callable[[Reading], bool] = lambda _: False) -> Reading:
         """One reading; a part that cannot be read is None, and the failure is logged once and counted.
 
-        Connections are counted only when the stall rule needs them: reading /proc/net/tcp walks the kernel's whole
-        TCP table (milliseconds, however few sockets there are), too dear for every poll of every pod.
+        Connections are counted only when ``wants_connections`` says a rule needs them: reading /proc/net/tcp walks
+        the kernel's whole TCP table (milliseconds, however few sockets there are), too dear for every poll of every
+        pod.
         """
         loop = asyncio.get_running_loop()
         try:
@@ -74,7 +76,7 @@ class EngineClient:
             self.last_error = None
         self.metrics.in_flight.set(engine.in_flight)
         reading = Reading(at=loop.time(), in_flight=engine.in_flight, tokens=engine.tokens)
-        if needs_connections(previous, reading):
+        if wants_connections(reading):
             reading = replace(reading, connections=await self._connections())
         return reading
 
@@ -82,7 +84,11 @@ class EngineClient:
         # The scrape's own connection is closed on the next turn of the loop (force_close): let it go first, so it
         # is never counted as a client.
         await asyncio.sleep(0)
-        return self.connections(self.settings.port)
+        count = self.connections(self.settings.port)
+        if count is None and not self.connections_unknown:
+            log.warning("engine.connections_unknown", port=self.settings.port, tables="/proc/net/tcp, /proc/net/tcp6")
+        self.connections_unknown = count is None
+        return count
 
     async def _page(self) -> str:
         try:

@@ -29,6 +29,8 @@ class EngineSpec:
     optional: tuple[str, ...] = ()
     tokens: str | None = None  # a counter that moves while tokens are generated
     health_path: str = "/health"
+    # How long in-flight must read 0 before it is believed: how far the page can lag the engine.
+    zero_confirm_s: float = 1.0
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -37,18 +39,23 @@ ENGINES: dict[str, EngineSpec] = {
         required=("vllm:num_requests_running",),
         optional=("vllm:num_requests_waiting",),
         tokens="vllm:generation_tokens_total",
+        zero_confirm_s=1.0,  # set by the API server's stat logger on every engine step
     ),
     "tgi": EngineSpec(
         "tgi",
         required=("tgi_batch_current_size",),
         optional=("tgi_queue_size",),
         tokens="tgi_batch_inference_count",  # one per forward pass; TGI has no per-token counter
+        # The batch size is set once a batch's prefill returns: a request out of the queue and in prefill reads 0.
+        zero_confirm_s=3.0,
     ),
     "sglang": EngineSpec(
         "sglang",
         required=("sglang:num_running_reqs",),
         optional=("sglang:num_queue_reqs",),
         tokens="sglang:realtime_tokens_total",  # generation_tokens_total only moves when a request ends
+        # The scheduler logs its stats on prefill batches and every decode_log_interval (40) decode steps.
+        zero_confirm_s=2.0,
     ),
 }
 
@@ -58,7 +65,8 @@ def custom_engine(metrics: str, *, tokens: str | None = None, health_path: str =
     names = tuple(name.strip() for name in metrics.split(",") if name.strip())
     if not names:
         raise ValueError("the custom engine needs at least one in-flight metric name")
-    return EngineSpec("custom", required=names, tokens=tokens, health_path=health_path)
+    # Nothing is known of the exporter: as long as Ray's metrics agent, which exports every 10 s by default.
+    return EngineSpec("custom", required=names, tokens=tokens, health_path=health_path, zero_confirm_s=10.0)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class DrainSettings:
     endpoint_delay_s: float
     poll_interval_s: float
     stall_after_s: float
+    zero_confirm_s: float
     notice_url: str | None
 
 
@@ -92,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(parser, "--poll-interval", convert=seconds, default=0.5, help="seconds between engine readings")
     add_flag(parser, "--stall-after", convert=seconds, default=15.0, help="seconds of no progress that end a drain")
+    add_flag(
+        parser,
+        "--zero-confirm",
+        convert=seconds,
+        help="seconds in-flight must read 0 before a drain ends (default: the engine's reporting lag)",
+    )
     add_flag(parser, "--notice-url", convert=http_url, help="the node agent's notice endpoint, polled")
     add_switch(parser, "--readiness-gate", default=False, help="patch the pod condition spotdrain.io/serving")
     add_flag(parser, "--pod-name", aliases=("POD_NAME",), help="this pod's name (downward API)")
@@ -127,20 +134,22 @@ def from_arguments(args: argparse.Namespace) -> SidecarSettings:
         require(bool(args.pod_name), "--readiness-gate needs --pod-name (or POD_NAME from the downward API)")
         require(bool(namespace), "--readiness-gate needs --pod-namespace (or POD_NAMESPACE)")
     try:
+        engine = EngineSettings(
+            kind=args.engine,
+            url=args.engine_url,
+            in_flight_metric=args.in_flight_metric,
+            tokens_metric=args.tokens_metric,
+            health_path=health_path,
+        )
         return SidecarSettings(
-            engine=EngineSettings(
-                kind=args.engine,
-                url=args.engine_url,
-                in_flight_metric=args.in_flight_metric,
-                tokens_metric=args.tokens_metric,
-                health_path=health_path,
-            ),
+            engine=engine,
             drain=DrainSettings(
                 dir=args.drain_dir,
                 timeout_s=args.drain_timeout,
                 endpoint_delay_s=args.endpoint_delay,
                 poll_interval_s=args.poll_interval,
                 stall_after_s=args.stall_after,
+                zero_confirm_s=engine.spec.zero_confirm_s if args.zero_confirm is None else args.zero_confirm,
                 notice_url=args.notice_url,
             ),
             gate=GateSettings(

@@ -3,7 +3,9 @@
 Phases only move forward: SERVING -> DRAINING -> DRAINED. While draining, each reading of the engine either leaves
 the drain running or ends it with an outcome:
 
-- ``drained``: in-flight was 0 on two consecutive readings;
+- ``drained``: in-flight was 0 on consecutive readings spanning the engine's reporting interval (``zero_confirm_s``:
+  a page can lag the engine by that much) and, at the last of them, no client held a connection to the engine's
+  port (a client may still be receiving buffered bytes when the count is already 0);
 - ``stalled``: in-flight unchanged, the token counter still and no client connected for ``stall_after_s``
   (vLLM's gauges can stay non-zero after clients went away);
 - ``timeout``: the deadline passed; the streams still counted then are the ones cut.
@@ -53,7 +55,7 @@ class Drain:
 
     started_at: float
     deadline: float
-    zeros: int = 0
+    zero_since: float | None = None  # the first reading of the current run of zeros
     last: Reading | None = None
     quiet_since: float | None = None
     last_in_flight: int | None = None  # the newest successful reading, for counting cut streams
@@ -69,26 +71,37 @@ def _quiet(previous: Reading | None, reading: Reading) -> bool:
     )
 
 
-def needs_connections(previous: Reading | None, reading: Reading) -> bool:
-    """Whether the stall rule needs this reading's connection count: only when nothing else has moved."""
-    return (
+def _zero_confirmed(drain: Drain, reading: Reading, zero_confirm_s: float) -> bool:
+    """In-flight 0 now and on the reading before, the run of zeros spanning at least ``zero_confirm_s``."""
+    return reading.in_flight == 0 and drain.zero_since is not None and reading.at - drain.zero_since >= zero_confirm_s
+
+
+def needs_connections(drain: Drain, reading: Reading, *, zero_confirm_s: float) -> bool:
+    """Whether this reading needs the connection count: for the stall rule when nothing else has moved, and
+    once a zero is confirmed, so a drain counts connections about once unless a client lingers."""
+    previous = drain.last
+    still = (
         previous is not None
         and reading.in_flight is not None
         and reading.in_flight > 0
         and reading.in_flight == previous.in_flight
         and reading.tokens == previous.tokens
     )
+    return still or _zero_confirmed(drain, reading, zero_confirm_s)
 
 
-def observe(drain: Drain, reading: Reading, *, stall_after_s: float) -> tuple[Drain, Outcome | None]:
+def observe(
+    drain: Drain, reading: Reading, *, stall_after_s: float, zero_confirm_s: float
+) -> tuple[Drain, Outcome | None]:
     """Fold one reading into the drain and say whether it has ended."""
-    zeros = drain.zeros + 1 if reading.in_flight == 0 else 0
+    drained = _zero_confirmed(drain, reading, zero_confirm_s) and reading.connections == 0
+    zero_since = (drain.zero_since if drain.zero_since is not None else reading.at) if reading.in_flight == 0 else None
     quiet_since = (
         (drain.quiet_since if drain.quiet_since is not None else reading.at) if _quiet(drain.last, reading) else None
     )
     last_in_flight = drain.last_in_flight if reading.in_flight is None else reading.in_flight
-    drain = replace(drain, zeros=zeros, last=reading, quiet_since=quiet_since, last_in_flight=last_in_flight)
-    if zeros >= 2:
+    drain = replace(drain, zero_since=zero_since, last=reading, quiet_since=quiet_since, last_in_flight=last_in_flight)
+    if drained:
         return drain, Outcome.DRAINED
     if quiet_since is not None and reading.at - quiet_since >= stall_after_s:
         return drain, Outcome.STALLED
@@ -106,7 +119,12 @@ def streams_cut(drain: Drain, outcome: Outcome) -> int:
     return drain.last.connections or 0 if drain.last is not None else 0
 
 
-def next_poll_delay(drain: Drain, now: float, *, poll_interval_s: float) -> float:
-    """How long to wait before the next reading: a zero is confirmed sooner, and never past the deadline."""
-    wait = poll_interval_s / 10 if drain.zeros == 1 else poll_interval_s
+def next_poll_delay(drain: Drain, now: float, *, poll_interval_s: float, zero_confirm_s: float) -> float:
+    """How long to wait before the next reading: a zero is confirmed as soon as its run spans ``zero_confirm_s``
+    (a tenth of a poll interval after it at the soonest), and no wait runs past the deadline."""
+    wait = poll_interval_s
+    if drain.zero_since is not None and drain.last is not None:
+        remaining = drain.zero_since + zero_confirm_s - now
+        if remaining > 0 or drain.last.at == drain.zero_since:
+            wait = min(poll_interval_s, max(poll_interval_s / 10, remaining))
     return max(0.0, min(wait, drain.deadline - now))

@@ -40,6 +40,13 @@ class EngineConfig:
     max_running: int = 256  # per engine; beyond it requests wait
     kv_blocks: int = 1000  # per engine; a running stream holds one block per 16 tokens
     leak_disconnected: bool = False  # keep counting a stream whose client went away, as vLLM's gauges can
+    # The page shows the gauges as they were this long ago: Ray's metrics agent exports every
+    # metrics_report_interval_ms (10 s by default), TGI sets its batch size only once a prefill returns.
+    report_delay_s: float = 0.0
+    # A stream leaves the gauges this long before its last bytes and the end of its response, as a client still
+    # receiving buffered bytes does after vLLM has counted the request finished.
+    linger_s: float = 0.0
+    metrics_port: int | None = None  # also serve on this port, as Ray's metrics agent does beside Serve's
 
 
 class VllmMetrics:
@@ -125,10 +132,17 @@ class FakeEngine:
         return {"model_name": self.config.model, "engine": str(engine)}
 
     def _publish(self, engine: int) -> None:
+        running, waiting, blocks = self.running[engine], self.waiting[engine], self.kv_tokens[engine] / 16
+        if self.config.report_delay_s > 0:
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.config.report_delay_s, self._show, engine, running, waiting, blocks)
+        else:
+            self._show(engine, running, waiting, blocks)
+
+    def _show(self, engine: int, running: int, waiting: int, blocks: float) -> None:
         labels = self.labels(engine)
-        self.metrics.running.labels(**labels).set(self.running[engine])
-        self.metrics.waiting.labels(**labels).set(self.waiting[engine])
-        blocks = self.kv_tokens[engine] / 16
+        self.metrics.running.labels(**labels).set(running)
+        self.metrics.waiting.labels(**labels).set(waiting)
         self.metrics.kv_usage.labels(**labels).set(min(1.0, blocks / self.config.kv_blocks))
 
     def in_flight(self) -> int:
@@ -162,7 +176,7 @@ class FakeEngine:
             self.running[engine] += 1
             self._publish(engine)
             generated = 0
-            leaked = False
+            leaked = released = False
             try:
                 last = time.monotonic()
                 while generated < max_tokens:
@@ -175,6 +189,11 @@ class FakeEngine:
                     self.kv_tokens[engine] += 1
                     self.metrics.generation_tokens.labels(**labels).inc()
                     self._publish(engine)
+                if self.config.linger_s > 0:
+                    self.running[engine] -= 1
+                    released = True
+                    self._publish(engine)
+                    await asyncio.sleep(self.config.linger_s)
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 self.completed += 1
@@ -187,7 +206,7 @@ class FakeEngine:
                 raise
             finally:
                 self.kv_tokens[engine] -= generated
-                if not leaked:
+                if not leaked and not released:
                     self.running[engine] -= 1
                 self._publish(engine)
 
@@ -232,6 +251,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, EngineConfig]:
     parser.add_argument("--tokens-per-second", type=float, default=EngineConfig.tokens_per_s)
     parser.add_argument("--max-running", type=int, default=EngineConfig.max_running)
     parser.add_argument("--leak-disconnected", action="store_true", help="keep counting streams whose client left")
+    parser.add_argument("--report-delay", type=float, default=0.0, help="seconds the metrics page lags the engine")
+    parser.add_argument("--linger", type=float, default=0.0, help="seconds a stream stays open after its gauge drops")
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -239,6 +260,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, EngineConfig]:
         tokens_per_s=args.tokens_per_second,
         max_running=args.max_running,
         leak_disconnected=args.leak_disconnected,
+        report_delay_s=args.report_delay,
+        linger_s=args.linger,
     )
     return args, config
 
@@ -250,6 +273,8 @@ async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyn
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, reuse_address=True).start()
+        if config.metrics_port is not None:
+            await web.TCPSite(runner, host, config.metrics_port, reuse_address=True).start()
         log.info("engine.listening", host=host, port=port, model=config.model)
         await stop.wait()
     finally:

@@ -22,8 +22,9 @@ from tests.conftest import until
 pytestmark = pytest.mark.e2e
 
 POLL_S = 0.2
-# A reading lands within one poll interval of a stream's end; the zero is confirmed a tenth of one later, and a
-# Python process needs a few tens of milliseconds to exit.
+ZERO_CONFIRM_S = 0.3
+# A reading lands within one poll interval of a stream's end; the zero is confirmed ZERO_CONFIRM_S later (a tenth
+# of a poll interval at the soonest), and a Python process needs a few tens of milliseconds to exit.
 EXIT_SLACK_S = POLL_S / 10 + 0.15
 
 
@@ -55,7 +56,15 @@ async def pod(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[P
             port=sidecar_port,
             engine_port=engine_port,
             drain_dir=tmp_path / "drain",
-            extra=["--endpoint-delay", "0.3", "--poll-interval", str(POLL_S), *flags],
+            extra=[
+                "--endpoint-delay",
+                "0.3",
+                "--poll-interval",
+                str(POLL_S),
+                "--zero-confirm",
+                str(ZERO_CONFIRM_S),
+                *flags,
+            ],
         ),
         log_path=tmp_path / "sidecar.log",
     )
@@ -89,7 +98,7 @@ async def test_sigterm_holds_termination_until_every_stream_has_completed(pod: P
 
     assert await asyncio.wait_for(pod.sidecar.wait(), 3) == 0
     assert (pod.drain_dir / "drained").exists()
-    assert loop.time() - last_ended < POLL_S + EXIT_SLACK_S
+    assert loop.time() - last_ended < POLL_S + ZERO_CONFIRM_S + EXIT_SLACK_S
     outcomes = [e["outcome"] for e in pod.log_events() if e["event"] == "drain.finished"]
     assert outcomes == ["drained"]
 

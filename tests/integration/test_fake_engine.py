@@ -5,7 +5,7 @@ import asyncio
 import aiohttp
 
 from agent.fakes.engine import EngineConfig
-from agent.fakes.processes import stream
+from agent.fakes.processes import free_port, stream
 from sidecar.engines import ENGINES, read_engine
 from tests.conftest import running_engine, scrape
 
@@ -42,3 +42,29 @@ async def test_a_leaking_engine_keeps_counting_a_stream_whose_client_left() -> N
         task.cancel()
         await asyncio.sleep(0.3)
         assert await scrape(f"http://127.0.0.1:{port}/metrics", "vllm:num_requests_running") == 1
+
+
+async def test_an_engine_reporting_late_shows_its_gauges_as_they_were_on_its_metrics_port() -> None:
+    metrics_port = free_port()
+    async with running_engine(EngineConfig(tokens_per_s=50, report_delay_s=0.5, metrics_port=metrics_port)) as port:
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        running = asyncio.create_task(stream(port, max_tokens=50))  # 1 s
+        await asyncio.sleep(0.2)
+        assert await scrape(url, "vllm:num_requests_running") == 0, "not reported yet"
+        await asyncio.sleep(0.5)
+        assert await scrape(url, "vllm:num_requests_running") == 1
+        await running
+        assert await scrape(url, "vllm:num_requests_running") == 1, "the end is reported late too"
+        await asyncio.sleep(0.6)
+        assert await scrape(url, "vllm:num_requests_running") == 0
+
+
+async def test_a_lingering_stream_leaves_the_gauge_before_its_last_bytes() -> None:
+    async with running_engine(EngineConfig(tokens_per_s=100, linger_s=0.5)) as port:
+        url = f"http://127.0.0.1:{port}/metrics"
+        running = asyncio.create_task(stream(port, max_tokens=10))  # 0.1 s, then 0.5 s with the gauge at 0
+        await asyncio.sleep(0.3)
+        assert not running.done()
+        assert await scrape(url, "vllm:num_requests_running") == 0
+        assert (await running)[-1] == "[DONE]"
+        assert await scrape(url, "vllm:num_requests_running") == 0

@@ -53,6 +53,7 @@ async def sidecar(tmp_path: Path, engine_port: int, *flags: str) -> AsyncIterato
     argv: Sequence[str] = ["sidecar", "--host", "127.0.0.1", "--port", str(port), "--drain-dir", str(tmp_path)]
     # Short defaults that a test's own flags override (argparse keeps the last value).
     argv = [*argv, "--engine-url", f"http://127.0.0.1:{engine_port}", "--endpoint-delay", "0.1", "--drain-timeout", "2"]
+    argv = [*argv, "--zero-confirm", "0.2"]
     argv = [*argv, *flags]
     ready = asyncio.Event()
     task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))
@@ -290,3 +291,35 @@ async def test_an_unusable_drain_record_still_resumes_the_drain_and_is_counted(t
                 assert await car.metric("spotdrain_sidecar_drain_record_errors_total") == 1
                 await car.wait_drained(3)
     assert [e["reason"] for e in logs if e["event"] == "drain.started"] == ["resumed"]
+
+
+async def test_a_zero_on_a_page_that_lags_the_engine_is_believed_only_across_the_lag(tmp_path: Path) -> None:
+    # As on Ray: the page comes from a metrics port no client connects to, and shows the engine as it was 1 s ago.
+    metrics_port = free_port()
+    config = EngineConfig(tokens_per_s=50, report_delay_s=1.0, metrics_port=metrics_port)
+    async with running_engine(config) as engine:
+        flags = ("--engine-url", f"http://127.0.0.1:{metrics_port}", "--poll-interval", "0.05", "--zero-confirm", "1.5")
+        async with sidecar(tmp_path, engine, *flags, "--drain-timeout", "10") as car:
+            running = asyncio.create_task(stream(engine, max_tokens=60))  # 1.2 s, shown from 1 s on
+            await asyncio.sleep(0.05)
+            (tmp_path / "drain").touch()
+            result = await running
+            assert result[-1] == "[DONE]"
+            assert not (tmp_path / "drained").exists(), "the page's stale zero ended the drain under a stream"
+            await car.wait_drained(5)
+            assert await car.metric('spotdrain_sidecar_drains_total{outcome="drained"}') == 1
+
+
+async def test_a_client_still_connected_after_the_gauge_dropped_holds_the_drain(tmp_path: Path) -> None:
+    async with (
+        running_engine(EngineConfig(tokens_per_s=100, linger_s=1.0)) as engine,
+        sidecar(tmp_path, engine, "--poll-interval", "0.05", "--zero-confirm", "0") as car,
+    ):
+        running = asyncio.create_task(stream(engine, max_tokens=20))  # 0.2 s, then 1 s with the gauge at 0
+        await asyncio.sleep(0.05)
+        (tmp_path / "drain").touch()
+        result = await running
+        assert result[-1] == "[DONE]"
+        assert not (tmp_path / "drained").exists(), "the drain ended while the client was still receiving"
+        await car.wait_drained(2)
+        assert await car.metric('spotdrain_sidecar_drains_total{outcome="drained"}') == 1

@@ -110,6 +110,7 @@ def test_a_notice_deadline_at_the_start_of_time_ends_the_drain_at_once_without_o
         endpoint_delay_s=5,
         poll_interval_s=0.5,
         stall_after_s=15,
+        zero_confirm_s=1,
         notice_url=None,
     )
     assert drain_deadline(lifecycle, settings_, 100.0) == 100.0
@@ -123,7 +124,7 @@ def test_the_engine_reader_outlives_any_metrics_page(answers: list[Answer]) -> N
         metrics = SidecarMetrics.create(CollectorRegistry())
         async with serving("/metrics", lambda: queue.pop(0)) as url, engine_session() as session:
             engine = EngineClient(session, EngineSettings("vllm", url, None, None, "/health"), metrics)
-            return [(await engine.read(previous=None)).in_flight for _ in answers]
+            return [(await engine.read()).in_flight for _ in answers]
 
     for value in asyncio.run(read_all()):
         assert value is None or value >= 0
@@ -137,4 +138,4 @@ async def test_a_metrics_page_in_a_charset_python_does_not_know_is_read_as_utf8(
         engine_session() as session,
     ):
         engine = EngineClient(session, EngineSettings("vllm", url, None, None, "/health"), metrics)
-        assert (await engine.read(previous=None)).in_flight == 3
+        assert (await engine.read()).in_flight == 3

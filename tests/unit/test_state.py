@@ -17,12 +17,13 @@ from sidecar.state import (
 )
 
 STALL_S = 10.0
+CONFIRM_S = 1.0
 
 
 def run(readings: list[Reading], *, deadline: float = 100.0) -> tuple[Drain, Outcome | None, int]:
     drain = Drain(started_at=0.0, deadline=deadline)
     for index, reading in enumerate(readings):
-        drain, outcome = observe(drain, reading, stall_after_s=STALL_S)
+        drain, outcome = observe(drain, reading, stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
         if outcome is not None:
             return drain, outcome, index
     return drain, None, len(readings)
@@ -46,14 +47,29 @@ def test_no_sequence_of_requests_moves_a_phase_backwards(requests: list[Phase]) 
         phase = after
 
 
-def test_two_consecutive_zeros_drain() -> None:
-    _, outcome, index = run([Reading(1, 2, connections=1), Reading(2, 0, connections=0), Reading(2.05, 0)])
+def test_zeros_spanning_the_reporting_interval_with_no_connection_drain() -> None:
+    readings = [Reading(1, 2, connections=1), Reading(2, 0), Reading(2.5, 0), Reading(3, 0, connections=0)]
+    _, outcome, index = run(readings)
     assert outcome is Outcome.DRAINED
-    assert index == 2
+    assert index == 3
+
+
+def test_zeros_shorter_than_the_reporting_interval_do_not_drain() -> None:
+    # A page that lags the engine (Ray's, every 10 s): the zeros of the first second prove nothing.
+    _, outcome, _ = run([Reading(2, 0, connections=0), Reading(2.05, 0, connections=0), Reading(2.9, 0, connections=0)])
+    assert outcome is None
+
+
+def test_a_client_still_connected_holds_a_confirmed_zero_until_it_leaves() -> None:
+    readings = [Reading(t / 2, 0, connections=1) for t in range(2, 10)] + [Reading(5, 0, connections=0)]
+    _, outcome, index = run(readings)
+    assert outcome is Outcome.DRAINED
+    assert index == len(readings) - 1
+    assert run([Reading(1, 0, connections=None), Reading(2, 0, connections=None)])[1] is None, "unknown is not 0"
 
 
 def test_a_failed_reading_between_zeros_is_not_a_zero() -> None:
-    _, outcome, _ = run([Reading(1, 0), Reading(2, None), Reading(3, 0)])
+    _, outcome, _ = run([Reading(1, 0, connections=0), Reading(2, None, connections=0), Reading(3, 0, connections=0)])
     assert outcome is None
 
 
@@ -89,18 +105,32 @@ def test_timeout_after_failed_readings_counts_the_last_good_one() -> None:
 
 
 def test_drained_and_stalled_cut_nothing() -> None:
-    drain, outcome, _ = run([Reading(1, 0), Reading(2, 0)])
+    drain, outcome, _ = run([Reading(1, 0), Reading(2, 0, connections=0)])
     assert outcome is Outcome.DRAINED
     assert streams_cut(drain, outcome) == 0
 
 
-def test_a_zero_is_confirmed_sooner_and_no_wait_runs_past_the_deadline() -> None:
+def test_a_zero_is_read_again_once_its_interval_has_passed_and_no_wait_runs_past_the_deadline() -> None:
     drain = Drain(started_at=0, deadline=10)
-    assert next_poll_delay(drain, 0, poll_interval_s=0.5) == 0.5
-    drain, _ = observe(drain, Reading(1, 0), stall_after_s=STALL_S)
-    assert next_poll_delay(drain, 1, poll_interval_s=0.5) == 0.05
-    assert next_poll_delay(Drain(started_at=0, deadline=10), 9.8, poll_interval_s=0.5) == pytest.approx(0.2)
-    assert next_poll_delay(Drain(started_at=0, deadline=10), 11, poll_interval_s=0.5) == 0
+
+    def delay(at: float) -> float:
+        return next_poll_delay(drain, at, poll_interval_s=0.5, zero_confirm_s=CONFIRM_S)
+
+    assert delay(0) == 0.5
+    drain, _ = observe(drain, Reading(1, 0), stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+    assert delay(1) == 0.5
+    drain, _ = observe(drain, Reading(1.5, 0), stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+    assert delay(1.8) == pytest.approx(0.2), "read again as soon as the run of zeros spans the interval"
+    assert delay(1.99) == pytest.approx(0.05), "a tenth of a poll interval at the soonest"
+    drain, _ = observe(drain, Reading(2, 0, connections=1), stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+    assert delay(2) == 0.5, "a client still connected is looked at once a poll interval"
+    instant = Drain(started_at=0, deadline=10)
+    instant, _ = observe(instant, Reading(1, 0), stall_after_s=STALL_S, zero_confirm_s=0)
+    assert next_poll_delay(instant, 1, poll_interval_s=0.5, zero_confirm_s=0) == 0.05, "no interval: a second read"
+    assert next_poll_delay(
+        Drain(started_at=0, deadline=10), 9.8, poll_interval_s=0.5, zero_confirm_s=1
+    ) == pytest.approx(0.2)
+    assert next_poll_delay(Drain(started_at=0, deadline=10), 11, poll_interval_s=0.5, zero_confirm_s=1) == 0
 
 
 readings = st.builds(
@@ -118,11 +148,14 @@ def test_every_drain_ends_by_its_deadline_and_only_for_a_reason(shape: list[Read
     for step, template in enumerate(shape):
         reading = Reading(step * 0.5, template.in_flight, template.tokens, template.connections)
         previous = drain
-        drain, outcome = observe(drain, reading, stall_after_s=STALL_S)
+        drain, outcome = observe(drain, reading, stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
         if outcome is Outcome.DRAINED:
             assert reading.in_flight == 0
+            assert reading.connections == 0
             assert previous.last is not None
             assert previous.last.in_flight == 0
+            assert previous.zero_since is not None
+            assert reading.at - previous.zero_since >= CONFIRM_S
         if outcome is Outcome.STALLED:
             assert reading.connections == 0
             assert reading.in_flight is not None
@@ -132,11 +165,18 @@ def test_every_drain_ends_by_its_deadline_and_only_for_a_reason(shape: list[Read
         assert reading.at < deadline
 
 
-def test_connections_are_counted_only_when_nothing_else_has_moved() -> None:
+def test_connections_are_counted_only_when_nothing_else_has_moved_or_a_zero_is_confirmed() -> None:
+    def needs(readings: list[Reading], reading: Reading) -> bool:
+        drain = Drain(started_at=0, deadline=100)
+        for each in readings:
+            drain, _ = observe(drain, each, stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+        return needs_connections(drain, reading, zero_confirm_s=CONFIRM_S)
+
     still = Reading(1, 3, tokens=10.0)
-    assert needs_connections(still, Reading(2, 3, tokens=10.0)) is True
-    assert needs_connections(None, still) is False
-    assert needs_connections(still, Reading(2, 2, tokens=10.0)) is False
-    assert needs_connections(still, Reading(2, 3, tokens=11.0)) is False
-    assert needs_connections(Reading(1, 0), Reading(2, 0)) is False, "zeros end the drain on their own"
-    assert needs_connections(still, Reading(2, None)) is False
+    assert needs([still], Reading(2, 3, tokens=10.0)) is True
+    assert needs([], still) is False
+    assert needs([still], Reading(2, 2, tokens=10.0)) is False
+    assert needs([still], Reading(2, 3, tokens=11.0)) is False
+    assert needs([still], Reading(2, None)) is False
+    assert needs([Reading(1, 0)], Reading(1.5, 0)) is False, "a zero not yet confirmed needs no count"
+    assert needs([Reading(1, 0)], Reading(2, 0)) is True, "a confirmed zero needs one"
