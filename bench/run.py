@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from bench import burst, cache, fleet, inflight_parse, node, sidecar
+from bench import burst, cache, fleet, inflight_parse, node, prestop, sidecar
 from bench.common import Result, report
 
 
@@ -16,6 +16,8 @@ async def run(names: set[str]) -> list[Result]:
     results: list[Result] = []
     if not names or "inflight_parse" in names:
         results.append(inflight_parse.measure())
+    if not names or "prestop" in names:
+        results += prestop.measure()
     modules = (("sidecar", sidecar), ("node", node), ("burst", burst), ("cache", cache), ("fleet", fleet))
     for name, module in modules:
         if not names or name in names:

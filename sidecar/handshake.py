@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +86,7 @@ class DrainDir:
         still waiting must be honoured, while a ``drained`` from before would release the engine too early.
         """
         self.path.mkdir(parents=True, exist_ok=True)
-        self.drained.unlink(missing_ok=True)
+        _remove(self.drained)
         self._open_hold()
         script = PRESTOP_TEMPLATE.format(
             directory=str(self.path).replace("'", "'\\''"),
@@ -105,7 +106,7 @@ class DrainDir:
         The engine may run as another user: it needs to open the FIFO read-write too.
         """
         if self.hold.is_symlink() or (self.hold.exists() and not stat.S_ISFIFO(self.hold.stat().st_mode)):
-            self.hold.unlink()
+            _remove(self.hold)
         if not self.hold.exists():
             os.mkfifo(self.hold)
         os.chmod(self.hold, 0o666)
@@ -121,3 +122,11 @@ class DrainDir:
         if self._hold is not None:
             os.close(self._hold)
             self._hold = None
+
+
+def _remove(path: Path) -> None:
+    """Remove whatever is at ``path``, a directory included: the drain directory holds what others put there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)

@@ -107,11 +107,20 @@ def test_prepare_reports_a_drain_a_waiting_prestop_already_asked_for(tmp_path: P
     drain_dir.mark_drained()
 
 
-def test_prepare_replaces_whatever_is_not_a_fifo_where_the_fifo_goes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["file", "directory", "symlink"])
+def test_prepare_replaces_whatever_is_where_its_files_go(tmp_path: Path, kind: str) -> None:
     drain_dir = DrainDir(tmp_path)
-    drain_dir.hold.write_text("not a fifo")
+    for path in (drain_dir.hold, drain_dir.drained):
+        if kind == "file":
+            path.write_text("not a fifo")
+        elif kind == "directory":
+            (path / "inside").mkdir(parents=True)
+        else:
+            path.symlink_to(tmp_path / "elsewhere")
     drain_dir.prepare(limit_s=5)
     assert drain_dir.hold.is_fifo()
+    assert not drain_dir.drained.exists()
+    assert not drain_dir.drained.is_symlink()
     drain_dir.mark_drained()
 
 
