@@ -1,5 +1,9 @@
 """Emptying a node inside a deadline: evict every pod at once, retry the ones a PodDisruptionBudget holds back
-until the deadline, then wait until the evicted pods are gone."""
+until the deadline, then wait until the evicted pods are gone.
+
+Whatever a call fails with (an API error, a dropped connection, an answer that is not JSON, any other exception), it
+is retried until the deadline: one pod's failure never abandons the others, nor the drain.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from datetime import datetime
 
 import structlog
 
-from agent.retry import ApiError
+from agent.retry import as_api_error, retrying
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import NodeActions
 from daemonset.planning import Eviction, plan_drain, skip_reason
@@ -46,7 +50,9 @@ class Drainer:
         """
         loop = asyncio.get_running_loop()
         started = loop.time()
-        pods = await self.actions.pods_on(node)
+        pods = await retrying(
+            lambda: self.actions.pods_on(node), what="pods.list", forever=True, left_s=lambda: self._left_s(deadline)
+        )
         plan = plan_drain(
             pods, deadline=deadline, now=self.clock(), margin_s=self.policy.margin_s, agent_pod=self.policy.agent_pod
         )
@@ -68,7 +74,8 @@ class Drainer:
             grace = min(eviction.grace_s, max(0, math.floor(self._left_s(deadline) - self.policy.margin_s)))
             try:
                 await self.actions.evict(eviction.namespace, eviction.name, grace_s=grace)
-            except ApiError as error:
+            except Exception as failure:  # whatever it is, the pod is retried until the deadline
+                error = as_api_error(failure)
                 if error.status == 404:
                     self.metrics.evictions.labels(result="gone").inc()
                     return False
@@ -99,8 +106,8 @@ class Drainer:
         while waiting:
             try:
                 present = {_key(p) for p in await self.actions.pods_on(node)}
-            except ApiError as error:
-                log.warning("node.pods_unreadable", node=node, error=str(error))
+            except Exception as error:
+                log.warning("node.pods_unreadable", node=node, error=f"{type(error).__name__}: {error}")
                 present = waiting
             for gone in waiting - present:
                 took[gone] = round(loop.time() - started, 3)

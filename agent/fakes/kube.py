@@ -4,7 +4,8 @@ HTTPS with its own CA and a bearer token; clients connect through ``write_kubeco
 It serves nodes, pods (with ``/status`` and ``/eviction``), core and events.k8s.io events and policy/v1
 PodDisruptionBudgets: get, list with label and field selectors, create, replace, the three patch types, and graceful
 pod deletion that it finishes after the grace period, as a kubelet would. Watches are not served. Tests steer it with
-``latency_s``, ``fail_next`` and ``on_delete``, and read what clients asked in ``calls``.
+``latency_s``, ``fail_next``, ``on_delete`` and ``faults`` (hung requests, dropped connections, answers that are not
+JSON: see ``agent.fakes.faults``), and read what clients asked in ``calls``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aiohttp import web
 
 from agent.clock import utcnow
 from agent.fakes import kube_objects
+from agent.fakes.faults import Faults
 from agent.fakes.kube_api import Api, DeleteHook, Deletion
 from agent.fakes.kube_select import KubeError, Obj, bad_request
 from agent.fakes.kube_store import EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store, route
@@ -92,6 +94,7 @@ class FakeKube:
         self._tls: TlsFiles | None = None
         self._runner: web.AppRunner | None = None
         self._faults: list[_Fault] = []
+        self.faults = Faults()
 
     # Lifecycle and client configuration ------------------------------------------------------------------------------
 
@@ -103,7 +106,7 @@ class FakeKube:
             directory = Path(self._temp.name)
         self._tls = write_tls_files(directory)
         app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
+        app.router.add_route("*", "/{tail:.*}", self.faults.wrap(self._handle))
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self._port, ssl_context=server_ssl_context(self._tls))
