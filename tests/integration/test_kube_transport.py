@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -81,7 +81,7 @@ async def test_a_200_that_is_not_the_json_asked_for_is_a_malformed_api_error(
     kube: FakeKube, actions: KubeActions, variant: int, call: str
 ) -> None:
     kube.faults.inject("garbage", "*", r"^/api/v1/(nodes/gpu-1|pods)$", garbage=variant)
-    calls = {
+    calls: dict[str, Callable[[], Awaitable[object]]] = {
         "get_node": lambda: actions.get_node("gpu-1"),
         "pods_on": lambda: actions.pods_on("gpu-1"),
         "patch_node": lambda: actions.patch_node("gpu-1", {"metadata": {"labels": {"a": "b"}}}),
