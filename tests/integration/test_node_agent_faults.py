@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -38,7 +39,7 @@ def drained(kube: FakeKube) -> bool:
     return cordoned(kube) and kube.pod("ml", "vllm-0") is None and kube.pod("ml", "vllm-1") is None
 
 
-FAULTS = {
+FAULTS: dict[str, dict[str, Any]] = {
     "hung-patch": dict(kind="hang", method="PATCH", path=NODE_PATH),
     "hung-patch-applied": dict(kind="hang", method="PATCH", path=NODE_PATH, applied=True),
     "hung-node-read": dict(kind="hang", method="GET", path=NODE_PATH, skip=1),  # the startup check reads it first
@@ -54,7 +55,7 @@ FAULTS = {
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 async def test_one_misbehaving_call_loses_no_notice(kube: FakeKube, tmp_path: Path, fault: str) -> None:
-    kube.faults.inject(**FAULTS[fault])  # type: ignore[arg-type]
+    kube.faults.inject(**FAULTS[fault])
     imds = FakeImds(instance_id=INSTANCE)
     imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
     with capture_logs() as logs:
