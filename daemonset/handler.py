@@ -91,6 +91,13 @@ class NodeHandler:
         else:
             await notice.ack.retry(outcome)
 
+    async def close(self) -> None:
+        """Stop acting on every notice in hand (the agent is stopping); returns once their work has ended."""
+        running = list(self._active.values())
+        for future in running:
+            future.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
     async def _act_until_deadline(self, notice: Notice) -> str | None:
         """Act, retrying failures until the deadline; None when done, else why it was given up."""
         received = asyncio.get_running_loop().time()

@@ -36,7 +36,8 @@ async def dispatcher(notices: AsyncIterator[Notice], handler: NodeHandler) -> No
     """Hands each notice to the handler in a task of its own, so one long drain holds up no other notice.
 
     Runs as long as its source does (for ever, in practice); a handler that fails is logged and its notice handed
-    back to its source (an SQS message comes back, IMDS yields it again), never allowed to stop the agent.
+    back to its source (an SQS message comes back, IMDS yields it again), never allowed to stop the agent. Cancelled,
+    it stops the handler's work too.
     """
 
     async def guarded(notice: Notice) -> None:
@@ -47,9 +48,12 @@ async def dispatcher(notices: AsyncIterator[Notice], handler: NodeHandler) -> No
             if notice.ack is not None:
                 await notice.ack.retry("the handler failed")
 
-    async with asyncio.TaskGroup() as group:
-        async for notice in notices:
-            group.create_task(guarded(notice), name=f"notice-{notice.id}")
+    try:
+        async with asyncio.TaskGroup() as group:
+            async for notice in notices:
+                group.create_task(guarded(notice), name=f"notice-{notice.id}")
+    finally:
+        await handler.close()  # the work a notice shares between its deliveries is shielded from their tasks
 
 
 async def startup_check(actions: NodeActions, settings: NodeSettings, ready: asyncio.Event) -> None:
