@@ -101,3 +101,14 @@ async def test_an_imds_notice_handed_back_is_yielded_again_until_its_deadline() 
         await again.ack.retry("gave up at the deadline")
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(anext(notices), 0.5)
+
+
+async def test_the_sidecars_see_the_notice_before_the_node_is_patched(kube: FakeKube, tmp_path: Path) -> None:
+    # The PATCH is applied and its answer never comes: the notice must already be on the notice endpoint.
+    kube.faults.inject("hang", "PATCH", NODE_PATH, applied=True)
+    imds = FakeImds(instance_id=INSTANCE)
+    async with serving(imds) as url, agent(kube, url, tmp_path, "--api-timeout", "5") as notice_port:
+        imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+        await until(lambda: cordoned(kube))
+        status, body = await status_of(f"http://127.0.0.1:{notice_port}/v1/notice")
+        assert (status, '"kind": "spot-interruption"' in body) == (200, True)
