@@ -83,7 +83,7 @@ class Faults:
         self.struck: list[Struck] = []
         self._open: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
         self._silent: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
-        self._forever = asyncio.Event()  # never set: what a hung request waits on until the server stops
+        self._stopping = asyncio.Event()  # what hung requests wait on: set only when the server stops
 
     def inject(
         self,
@@ -113,6 +113,20 @@ class Faults:
     def clear(self) -> None:
         self.rules.clear()
 
+    def release(self) -> None:
+        """The server is stopping: hung requests end, their connections closed with no answer."""
+        self._stopping.set()
+
+    async def _hang(self, request: web.Request) -> web.StreamResponse:
+        await self._stopping.wait()
+        return self._drop(request)
+
+    @staticmethod
+    def _drop(request: web.Request) -> web.StreamResponse:
+        if request.transport is not None:
+            request.transport.close()
+        raise web.HTTPInternalServerError()  # never written: the connection is gone
+
     def wrap(self, handler: Handler) -> Handler:
         """``handler`` with the faults in front of it."""
 
@@ -122,7 +136,7 @@ class Faults:
                 self._open.add(transport)
                 if transport in self._silent:
                     self.struck.append(Struck("silent", request.method, request.path))
-                    await self._forever.wait()
+                    return await self._hang(request)
             rule = next((r for r in self.rules if r.strikes(request.method, request.path)), None)
             if rule is None:
                 return await handler(request)
@@ -141,13 +155,11 @@ class Faults:
 
     async def _strike(self, rule: Rule, request: web.Request) -> web.StreamResponse:
         if rule.kind == "hang":
-            await self._forever.wait()
+            return await self._hang(request)
         if rule.kind == "garbage":
             content_type, body = GARBAGE[rule.garbage % len(GARBAGE)]
             return web.Response(status=200, body=body, content_type=content_type)
-        if request.transport is not None:
-            request.transport.close()
-        raise web.HTTPInternalServerError()  # never written: the connection is gone
+        return self._drop(request)
 
 
 def _status(rule: Rule) -> web.Response:

@@ -115,7 +115,8 @@ class FakeKube:
         log.info("kube.listening", url=self.url)
 
     async def stop(self) -> None:
-        """Stop serving, cancel pending pod removals and running deletion hooks."""
+        """Stop serving, cancel pending pod removals and running deletion hooks, end hung requests."""
+        self.faults.release()
         await self.api.close()
         if self._runner is not None:
             await asyncio.shield(self._runner.cleanup())
