@@ -140,6 +140,8 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
     require(args.heartbeat_interval > 0, "--heartbeat-interval must be above 0 seconds")
     require(args.api_timeout > 0, "--api-timeout must be above 0 seconds")
     require(args.progress_timeout > 0, "--progress-timeout must be above 0 seconds")
+    # The pause before evicting makes no call: liveness must outlast it.
+    require(args.progress_timeout > args.eviction_delay, "--progress-timeout must be longer than --eviction-delay")
     return NodeSettings(
         node_name=args.node_name,
         pod_name=args.pod_name,

@@ -113,3 +113,8 @@ def test_the_node_agent_bounds_api_calls_and_stalls_by_default_and_by_variable(m
 def test_an_unbounded_timeout_is_refused(flag: str) -> None:
     with pytest.raises(SettingsError, match=f"{flag} must be above 0"):
         node_settings_for(flag, "0")
+
+
+def test_liveness_outlasts_the_pause_before_evicting() -> None:
+    with pytest.raises(SettingsError, match="--progress-timeout must be longer than --eviction-delay"):
+        node_settings_for("--eviction-delay", "90")
