@@ -15,7 +15,7 @@ import structlog
 from agent.retry import ApiError
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import NodeActions
-from daemonset.planning import Eviction, plan_drain, skip_reason
+from daemonset.planning import MIN_GRACE_S, Eviction, plan_drain, skip_reason
 
 log = structlog.get_logger()
 
@@ -65,7 +65,7 @@ class Drainer:
         """One pod's eviction, retried while a PodDisruptionBudget (429) or the API holds it back."""
         backoff = iter(PDB_BACKOFF_S)
         while True:
-            grace = min(eviction.grace_s, max(0, math.floor(self._left_s(deadline) - self.policy.margin_s)))
+            grace = min(eviction.grace_s, max(MIN_GRACE_S, math.floor(self._left_s(deadline) - self.policy.margin_s)))
             try:
                 await self.actions.evict(eviction.namespace, eviction.name, grace_s=grace)
             except ApiError as error:

@@ -21,6 +21,9 @@ NOTICE_ID = "spotdrain.io/notice"
 ADDED = "spotdrain.io/added"
 MIRROR = "kubernetes.io/config.mirror"
 DEFAULT_GRACE_S = 30
+# The API server takes a grace period of 0 as an immediate deletion: no preStop, and a StatefulSet may start the
+# replacement while the old pod still runs. One second still runs the preStop and lets the kubelet stop it in order.
+MIN_GRACE_S = 1
 
 Node = dict[str, Any]
 Pod = dict[str, Any]
@@ -111,11 +114,12 @@ def skip_reason(pod: Pod, *, agent_pod: tuple[str, str] | None) -> str | None:
 
 
 def grace_for(pod: Pod, *, deadline: datetime, now: datetime, margin_s: float) -> int:
-    """The pod's own grace period, shortened so that it ends ``margin_s`` before the deadline."""
+    """The pod's own grace period, shortened so that it ends ``margin_s`` before the deadline; never under
+    ``MIN_GRACE_S``, however close the deadline (or if it has passed)."""
     own = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
     own_s = own if isinstance(own, int) and own >= 0 else DEFAULT_GRACE_S
     left_s = (deadline - now).total_seconds() - margin_s
-    return max(0, min(own_s, math.floor(left_s)))
+    return max(MIN_GRACE_S, min(own_s, math.floor(left_s)))
 
 
 def plan_drain(

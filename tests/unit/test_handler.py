@@ -234,6 +234,16 @@ async def test_evictions_blocked_by_a_disruption_budget_are_retried_until_allowe
 
 
 @pytest.mark.looptime
+async def test_no_eviction_is_an_immediate_deletion_however_close_the_deadline(actions: RecordingActions) -> None:
+    actions.pdb_blocks_until = 6.0  # retried until past the deadline's margin, then right up to the deadline
+    handler, _, _ = handler_for(actions)
+    await handler.handle(spot(seconds=8))
+    grace = [int(c[2]) for c in actions.calls if c[0] == "evict"]
+    assert len(grace) > 2
+    assert min(grace) == 1, "grace 0 deletes at once: no preStop, so the streams are cut"
+
+
+@pytest.mark.looptime
 async def test_evictions_still_blocked_at_the_deadline_are_given_up_and_reported(actions: RecordingActions) -> None:
     actions.pdb_blocks_until = 1e9
     ack = RecordingAck()

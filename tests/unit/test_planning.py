@@ -135,11 +135,27 @@ def test_daemonset_mirror_terminating_finished_and_own_pods_are_not_evicted() ->
     ]
 
 
-def test_grace_is_the_pods_own_when_the_deadline_is_far_and_never_negative() -> None:
+def test_grace_is_the_pods_own_when_the_deadline_is_far_and_never_under_one_second() -> None:
     later = NOW + timedelta(hours=1)
     assert grace_for(pod("a", spec={"terminationGracePeriodSeconds": 130}), deadline=later, now=NOW, margin_s=5) == 130
     assert grace_for(pod("a"), deadline=later, now=NOW, margin_s=5) == 30
-    assert grace_for(pod("a"), deadline=NOW, now=NOW + timedelta(seconds=3), margin_s=5) == 0
+    # 0 would be an immediate deletion, without the preStop that holds the pod until its streams end.
+    assert grace_for(pod("a"), deadline=NOW, now=NOW + timedelta(seconds=3), margin_s=5) == 1
+    assert grace_for(pod("a"), deadline=NOW + timedelta(seconds=5), now=NOW, margin_s=5) == 1
+    assert grace_for(pod("a", spec={"terminationGracePeriodSeconds": 0}), deadline=later, now=NOW, margin_s=5) == 1
+
+
+@given(
+    own=st.one_of(st.none(), st.integers(min_value=-5, max_value=10**6)),
+    left_s=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    margin_s=st.floats(min_value=0, max_value=600, allow_nan=False),
+)
+def test_no_planned_eviction_is_an_immediate_deletion(own: int | None, left_s: float, margin_s: float) -> None:
+    spec = {} if own is None else {"terminationGracePeriodSeconds": own}
+    plan = plan_drain(
+        [pod("a", spec=spec)], deadline=NOW + timedelta(seconds=left_s), now=NOW, margin_s=margin_s, agent_pod=None
+    )
+    assert [eviction.grace_s >= 1 for eviction in plan] == [True]
 
 
 def test_instance_ids_come_from_the_provider_id_only() -> None:
