@@ -22,7 +22,7 @@ from daemonset.eviction import Drainer
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import NodeActions, NodeIndex
 from daemonset.notice import Notice
-from daemonset.planning import Node, marked_for, plan_mark, plan_unmark
+from daemonset.planning import Node, marked_for, plan_mark, plan_unmark, resumed
 
 log = structlog.get_logger()
 
@@ -124,6 +124,9 @@ class NodeHandler:
         if notice.withdrawn:
             await self._withdraw(notice, node)
             return
+        if notice.reckoned:
+            # The node, not the agent, remembers when the notice was first seen: a restart must not move it.
+            notice = resumed(await self._read(node), notice)
         if await self._mark(notice, node):
             self.metrics.notice_to_taint.observe(asyncio.get_running_loop().time() - received)
         if not notice.kind.definitive:
@@ -147,7 +150,7 @@ class NodeHandler:
                 continue
             listed = None
             if patch is None:
-                log.info("node.already_marked", node=name, notice=notice.id)
+                log.info("node.already_marked", node=name, notice=notice.id, marked_for=marked_for(node))
                 return False
             try:
                 await self.actions.patch_node(name, patch)

@@ -72,6 +72,12 @@ class Notice:
     ack: Acknowledgement | None = field(default=None, compare=False, repr=False)
 
     @property
+    def reckoned(self) -> bool:
+        """The deadline is the agent's own reckoning from when it first saw the notice, not a time AWS stated: IMDS
+        ``target-lifecycle-state`` says only ``Terminated``. The node keeps the first deadline (see planning)."""
+        return self.source is Source.IMDS and self.kind is Kind.ASG_TERMINATION
+
+    @property
     def id(self) -> str:
         """Deterministic: the same notice polled twice, or delivered twice, has the same id."""
         key = "|".join((self.kind.value, self.instance_id, rfc3339(self.deadline), self.detail))

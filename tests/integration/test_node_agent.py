@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from pathlib import Path
@@ -114,6 +115,45 @@ async def test_a_restart_mid_drain_resumes_without_marking_twice(kube: FakeKube,
             await until(lambda: kube.pod("ml", "vllm-0") is None and kube.pod("ml", "vllm-1") is None)
         assert kube.count("PATCH", "/api/v1/nodes/{name}") == patches == 1
         assert len(kube.events()) == 1
+
+
+def handled(logs: list[MutableMapping[str, Any]]) -> int:
+    """Notices the handler has marked the node for, or found it already marked for."""
+    return sum(e["event"] in ("node.tainted", "node.already_marked") for e in logs)
+
+
+async def test_a_rebalance_after_a_spot_warning_and_a_restart_mark_nothing_more(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+    with capture_logs() as logs:
+        async with serving(imds) as url:
+            async with agent(kube, url, tmp_path, "--no-evict"):
+                await until(lambda: cordoned(kube))
+                imds.schedule_rebalance(utcnow())
+                await until(lambda: handled(logs) == 2)
+            async with agent(kube, url, tmp_path, "--no-evict"):
+                await until(lambda: handled(logs) == 4)
+    ours = [t for t in kube.node("gpu-1")["spec"]["taints"] if t["key"] == TAINT_KEY]
+    assert ours == [{"key": TAINT_KEY, "value": "spot-interruption", "effect": "NoSchedule"}]
+    assert kube.count("PATCH", "/api/v1/nodes/{name}") == 1
+    assert [e["reason"] for e in kube.events()] == ["InterruptionNotice"]
+
+
+async def test_a_restart_keeps_the_first_deadline_of_an_asg_termination(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE, lifecycle_state="Terminated")
+    with capture_logs() as logs:
+        async with serving(imds) as url:
+            async with agent(kube, url, tmp_path, "--no-evict"):
+                await until(lambda: cordoned(kube))
+            first = kube.node("gpu-1")["metadata"]["annotations"][TERMINATION_TIME]
+            async with agent(kube, url, tmp_path, "--no-evict") as notice_port:
+                await until(lambda: handled(logs) == 2)
+                status, body = await status_of(f"http://127.0.0.1:{notice_port}/v1/notice")
+    assert status == 200
+    assert json.loads(body)["deadline"] == first, "the sidecars are told the first deadline, not a later one"
+    assert kube.node("gpu-1")["metadata"]["annotations"][TERMINATION_TIME] == first
+    assert kube.count("PATCH", "/api/v1/nodes/{name}") == 1
+    assert len(kube.events()) == 1
 
 
 async def test_a_canceled_maintenance_event_removes_only_what_the_agent_added(kube: FakeKube, tmp_path: Path) -> None:

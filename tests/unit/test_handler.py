@@ -197,6 +197,38 @@ async def test_a_rebalance_recommendation_only_adds_a_soft_taint(actions: Record
 
 
 @pytest.mark.looptime
+async def test_a_rebalance_after_a_spot_warning_and_a_restart_change_nothing(actions: RecordingActions) -> None:
+    rebalance = Notice(Kind.REBALANCE_RECOMMENDATION, "i-0abc", T0 + timedelta(seconds=120), Source.IMDS)
+    handler, _, _ = handler_for(actions, evict=False)
+    await handler.handle(spot())
+    await handler.handle(rebalance)
+    restarted, _, _ = handler_for(actions, evict=False)
+    await restarted.handle(rebalance)
+    await restarted.handle(spot())
+    node = actions.nodes["gpu-1"]
+    assert node["spec"]["taints"] == [{"key": TAINT_KEY, "value": "spot-interruption", "effect": "NoSchedule"}]
+    assert node["metadata"]["annotations"]["spotdrain.io/notice"] == spot().id
+    assert [c[0] for c in actions.calls].count("patch_node") == 1
+    assert [e[0] for e in actions.events] == ["InterruptionNotice"]
+
+
+@pytest.mark.looptime
+async def test_a_restart_keeps_the_first_reckoned_deadline(actions: RecordingActions) -> None:
+    first = Notice(Kind.ASG_TERMINATION, "i-0abc", T0 + timedelta(seconds=120), Source.IMDS, "Terminated")
+    handler, _, _ = handler_for(actions, evict=False)
+    await handler.handle(first)
+    restarted, board, _ = handler_for(actions)
+    await asyncio.sleep(30)
+    await restarted.handle(
+        Notice(Kind.ASG_TERMINATION, "i-0abc", T0 + timedelta(seconds=150), Source.IMDS, "Terminated")
+    )
+    assert actions.nodes["gpu-1"]["metadata"]["annotations"]["spotdrain.io/termination-time"] == "2026-11-29T10:22:00Z"
+    assert board.by_node["gpu-1"].deadline == first.deadline, "the sidecars are told the first deadline"
+    assert [c[0] for c in actions.calls].count("patch_node") == 1
+    assert {c[2] for c in actions.calls if c[0] == "evict"} == {"84"}  # 120 - 30 s later - 1 s delay - 5 s margin
+
+
+@pytest.mark.looptime
 async def test_a_withdrawn_maintenance_event_undoes_only_its_own_marks(actions: RecordingActions) -> None:
     handler, board, _ = handler_for(actions, evict=False)
     event = Notice(Kind.SCHEDULED_MAINTENANCE, "i-0abc", T0 + timedelta(hours=2), Source.IMDS, "instance-event-1")
