@@ -79,8 +79,13 @@ class Notice:
 
     @property
     def id(self) -> str:
-        """Deterministic: the same notice polled twice, or delivered twice, has the same id."""
-        key = "|".join((self.kind.value, self.instance_id, rfc3339(self.deadline), self.detail))
+        """Deterministic: the same notice polled twice, or delivered twice, has the same id.
+
+        An AWS Health event is named by its eventArn, which it keeps through its updates and its closing while its
+        startTime may move: the deadline is left out of its id, so a withdrawal carries the id it withdraws.
+        """
+        deadline = "" if self.kind is Kind.HEALTH_SCHEDULED_CHANGE else rfc3339(self.deadline)
+        key = "|".join((self.kind.value, self.instance_id, deadline, self.detail))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def public(self) -> dict[str, str]:

@@ -7,7 +7,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,10 +15,10 @@ import pytest
 
 from agent.clock import rfc3339, utcnow
 from agent.fakes.aws import REGION, MotoServer
-from agent.fakes.events import spot_warning
+from agent.fakes.events import health_change, spot_warning, state_change
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import status_of
-from daemonset.planning import TAINT_KEY
+from daemonset.planning import NOTICE_ID, TAINT_KEY
 from tests.conftest import node_agent, until
 
 if TYPE_CHECKING:
@@ -167,3 +167,41 @@ async def test_a_burst_of_messages_for_many_nodes_is_handled_once_each(
     deleted = [c for c in moto.calls("DeleteMessage") if c.params["QueueUrl"] == queue]
     assert len(deleted) == nodes
     assert len({c.params["ReceiptHandle"] for c in deleted}) == nodes
+
+
+async def test_a_closed_health_event_unmarks_the_node_its_open_event_marked(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_1a2b3c"
+    start = utcnow() + timedelta(days=2)
+
+    def change(status: str, at: datetime) -> str:
+        return health_change(("i-0000000000000001",), arn=arn, status=status, start=at, time=utcnow(), region=REGION)
+
+    sqs.send_message(QueueUrl=queue, MessageBody=change("upcoming", start))
+    async with queue_agent(kube, moto, queue, tmp_path) as notice_port:
+        notice_url = f"http://127.0.0.1:{notice_port}/v1/notice?node=gpu-1"
+        await until(lambda: kube.node("gpu-1")["spec"].get("unschedulable") is True)
+        await until(lambda: messages_left(sqs, queue) == 0)
+        assert (await status_of(notice_url))[0] == 200
+        sqs.send_message(QueueUrl=queue, MessageBody=change("closed", start + timedelta(hours=3)))
+        await until(lambda: "unschedulable" not in kube.node("gpu-1")["spec"])
+        await until(lambda: messages_left(sqs, queue) == 0)
+        assert (await status_of(notice_url))[0] == 204
+    node = kube.node("gpu-1")
+    assert not [t for t in node["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
+    assert NOTICE_ID not in (node["metadata"].get("annotations") or {})
+    assert [e["reason"] for e in kube.events()] == ["InterruptionNotice", "InterruptionWithdrawn"]
+
+
+async def test_an_instance_already_shutting_down_is_evicted_with_one_second_of_grace_not_zero(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    body = state_change("i-0000000000000002", "shutting-down", time=utcnow(), region=REGION)
+    sqs.send_message(QueueUrl=queue, MessageBody=body)
+    async with queue_agent(kube, moto, queue, tmp_path):
+        await until(lambda: bool(kube.deletions))
+    # The event time is the deadline, already past: grace 0 would delete the pod without its preStop.
+    assert [(d.name, d.grace_s) for d in kube.deletions] == [("vllm-2", 1)]
