@@ -22,7 +22,7 @@ from daemonset.eviction import Drainer
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import NodeActions, NodeIndex
 from daemonset.notice import Notice
-from daemonset.planning import Node, marked_for, plan_mark, plan_unmark, resumed
+from daemonset.planning import Node, instance_id_of, marked_for, plan_mark, plan_unmark, resumed
 
 log = structlog.get_logger()
 
@@ -31,6 +31,10 @@ CONFLICT_RETRIES = 5
 
 class NodeGone(Exception):
     """The node a notice is for is not in the cluster (any more)."""
+
+
+class NodeReplaced(NodeGone):
+    """The node under the name found for the notice's instance is another instance's now."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ class NodeHandler:
             return
         if notice.reckoned:
             # The node, not the agent, remembers when the notice was first seen: a restart must not move it.
-            notice = resumed(await self._read(node), notice)
+            notice = resumed(await self._read(node, notice), notice)
         if await self._mark(notice, node):
             self.metrics.notice_to_taint.observe(asyncio.get_running_loop().time() - received)
         if not notice.kind.definitive:
@@ -143,7 +147,7 @@ class NodeHandler:
         # the calls before the taint. A stale copy costs a 409 and a fresh read, never a wrong patch.
         listed = self.index.take(name) if self.index is not None else None
         for _ in range(CONFLICT_RETRIES):
-            node = listed or await self._read(name)
+            node = self._confirmed(name, listed, notice) if listed else await self._read(name, notice)
             patch = plan_mark(node, notice)
             if patch is None and listed is not None:
                 listed = None  # "already marked" is only believed from a fresh read
@@ -168,7 +172,7 @@ class NodeHandler:
         if self.board is not None:
             self.board.withdraw(name, notice)
         for _ in range(CONFLICT_RETRIES):
-            node = await self._read(name)
+            node = await self._read(name, notice)
             patch = plan_unmark(node) if marked_for(node) == notice.id else None
             if patch is None:
                 log.info("node.nothing_to_withdraw", node=name, notice=notice.id)
@@ -184,11 +188,29 @@ class NodeHandler:
             return
         raise ApiError(409, f"node {name} kept changing while it was being unmarked")
 
-    async def _read(self, name: str) -> Node:
+    async def _read(self, name: str, notice: Notice) -> Node:
         node = await self.actions.get_node(name)
         if node is None:
+            if self.index is not None:
+                self.index.forget(notice.instance_id)
             raise NodeGone(f"node {name} not found")
-        return node
+        return self._confirmed(name, node, notice)
+
+    def _confirmed(self, name: str, node: Node, notice: Notice) -> Node:
+        """``node`` if it is the notice's instance. Every mark and withdrawal patches a node read this way, guarded by
+        its resourceVersion, and the drain follows its mark at once.
+
+        In queue mode the name comes from an earlier node list, and EKS names nodes after their private IP, which a
+        new instance can reuse: a late notice for the old instance must not touch the new node. On a mismatch the
+        instance is looked up afresh (NodeReplaced is retried like NodeGone), and a notice whose instance is no
+        node any more goes back to its source as unmatched. In IMDS mode the node is the agent's own, named by the
+        kubelet through the downward API, and the notice comes from that instance's own metadata service.
+        """
+        if self.index is None or (found := instance_id_of(node)) == notice.instance_id:
+            return node
+        self.index.forget(notice.instance_id)
+        log.warning("node.replaced", node=name, notice=notice.id, instance=notice.instance_id, found=found)
+        raise NodeReplaced(f"node {name} is instance {found} now, not {notice.instance_id}")
 
     def _log_marked(self, name: str, notice: Notice, patch: dict[str, object]) -> None:
         spec = patch.get("spec")

@@ -179,6 +179,15 @@ class FakeKube:
         )
         return self.store.create(NODES, None, node)
 
+    def replace_node(self, name: str, *, provider_id: str) -> Obj:
+        """A new instance joins under the name of one that went: EKS names nodes after the private IP, which a new
+        instance can be given again. The old Node object and its pods are gone; the new one has a new uid and
+        ``providerID`` and none of the old one's taints, labels or annotations."""
+        self.store.remove(NODES, None, name)
+        for pod in self.pods(node=name):
+            self.store.remove(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"])
+        return self.add_node(name, provider_id=provider_id)
+
     def add_pod(
         self,
         namespace: str,

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from agent.clock import rfc3339, utcnow
 from agent.fakes.aws import REGION, MotoServer
-from agent.fakes.events import health_change, spot_warning, state_change
+from agent.fakes.events import eventbridge, health_change, spot_warning, state_change
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import status_of
 from daemonset.planning import NOTICE_ID, TAINT_KEY
@@ -47,7 +48,9 @@ def lifecycle(instance: str, token: str) -> str:
     )
 
 
-def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path) -> AbstractAsyncContextManager[int]:
+def queue_agent(
+    kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path, *flags: str
+) -> AbstractAsyncContextManager[int]:
     """The node agent in queue mode on moto's queue; yields its notice port."""
     aws = (
         "--queue-url",
@@ -59,7 +62,7 @@ def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path) ->
         "--sqs-wait-time",
         "1",
     )
-    return node_agent(kube, tmp_path / "kubeconfig", *aws, "--api-qps", "200", "--api-burst", "100")
+    return node_agent(kube, tmp_path / "kubeconfig", *aws, "--api-qps", "200", "--api-burst", "100", *flags)
 
 
 def messages_left(sqs: SQSClient, queue: str) -> int:
@@ -205,3 +208,30 @@ async def test_an_instance_already_shutting_down_is_evicted_with_one_second_of_g
         await until(lambda: bool(kube.deletions))
     # The event time is the deadline, already past: grace 0 would delete the pod without its preStop.
     assert [(d.name, d.grace_s) for d in kube.deletions] == [("vllm-2", 1)]
+
+
+async def test_a_late_notice_for_an_instance_whose_node_name_was_reused_touches_no_node(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    old, new = "i-0000000000000001", "i-0000000000000009"
+    rebalance = eventbridge("EC2 Instance Rebalance Recommendation", {"instance-id": old}, time=utcnow(), region=REGION)
+    sqs.send_message(QueueUrl=queue, MessageBody=json.dumps(rebalance))  # the agent learns old -> gpu-1
+    with capture_logs() as logs:
+        async with queue_agent(kube, moto, queue, tmp_path, "--max-receives", "1"):
+            await until(lambda: bool(kube.node("gpu-1")["spec"].get("taints")))
+            await until(lambda: messages_left(sqs, queue) == 0)
+            kube.replace_node("gpu-1", provider_id=f"aws:///{REGION}a/{new}")
+            kube.add_pod("ml", "vllm-new", node="gpu-1", owner_kind="ReplicaSet")
+            terminated = state_change(old, "terminated", time=utcnow(), region=REGION)
+            sqs.send_message(QueueUrl=queue, MessageBody=terminated)
+            await until(lambda: any(e["event"] == "sqs.gave_up" for e in logs) or bool(kube.deletions))
+            assert kube.deletions == []
+            assert "taints" not in kube.node("gpu-1")["spec"]
+            assert "unschedulable" not in kube.node("gpu-1")["spec"]
+            assert kube.pod("ml", "vllm-new") is not None
+            sqs.send_message(QueueUrl=queue, MessageBody=spot(new))  # the new instance is found under the same name
+            await until(lambda: kube.node("gpu-1")["spec"].get("unschedulable") is True)
+            await until(lambda: messages_left(sqs, queue) == 0)
+    assert any(e["event"] == "node.replaced" and e["found"] == new for e in logs)
+    assert [d.name for d in kube.deletions] == ["vllm-new"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -304,6 +305,21 @@ async def test_queue_mode_finds_the_node_by_provider_id(actions: RecordingAction
     assert actions.nodes["gpu-2"]["spec"]["unschedulable"] is True
     assert "unschedulable" not in actions.nodes["gpu-1"]["spec"]
     assert set(board.by_node) == {"gpu-2"}
+
+
+@pytest.mark.looptime
+async def test_queue_mode_touches_no_node_that_is_another_instance_now(actions: RecordingActions) -> None:
+    handler, _, _ = handler_for(actions, local_node=None, evict=False)
+    earlier = Notice(Kind.HEALTH_SCHEDULED_CHANGE, "i-0abc", T0 + timedelta(days=1), Source.SQS, "arn:1")
+    await handler.handle(earlier)  # the index learns i-0abc -> gpu-1
+    actions.add_node("gpu-1", "i-0new")  # EKS names nodes after the private IP: a new instance got it
+    marking, withdrawing = RecordingAck(), RecordingAck()
+    await handler.handle(spot(ack=marking, source=Source.SQS))
+    await handler.handle(replace(earlier, withdrawn=True, ack=withdrawing))
+    assert marking.said == withdrawing.said == ["retry: instance i-0abc is not a node of this cluster"]
+    assert actions.nodes["gpu-1"]["spec"] == {"providerID": "aws:///us-east-1a/i-0new"}
+    assert [c for c in actions.calls if c[0] == "patch_node"] == [("patch_node", "gpu-1")], "the old node's mark only"
+    assert [c[0] for c in actions.calls].count("list_nodes") == 2, "a mismatch looks the instance up afresh"
 
 
 @pytest.mark.looptime
