@@ -20,6 +20,7 @@ from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port, status_of
 from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
 from tests.conftest import node_agent, until
+from tests.deploy.manifests import grants, needed, render
 
 INSTANCE = "i-0123456789abcdef0"
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
@@ -210,3 +211,22 @@ async def test_a_failed_model_cache_keeps_its_startup_taint_and_notices_are_stil
         assert pending in kube.node("gpu-1")["spec"]["taints"]
         failed = next(e for e in logs if e["event"] == "cache.failed")
         assert "gone-nvme1n1" in str(failed["device"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "directory"),
+    [((), "agent"), (("--no-evict",), "overlays/karpenter-interruption"), (("--no-evict",), "overlays/queue-mode")],
+)
+async def test_imds_mode_calls_exactly_what_its_account_is_granted(
+    kube: FakeKube, tmp_path: Path, flags: tuple[str, ...], directory: str
+) -> None:
+    granted = grants(render(directory), "spotdrain", "spotdrain-node")
+    imds = FakeImds(instance_id=INSTANCE)
+    event_id = imds.add_maintenance(not_before=utcnow() + timedelta(hours=1))
+    with capture_logs() as logs:
+        async with serving(imds) as url, agent(kube, url, tmp_path, *flags):
+            await until(lambda: cordoned(kube) and len(kube.events()) == 1)
+            await until(lambda: "--no-evict" in flags or any(e["event"] == "node.drained" for e in logs))
+            imds.set_maintenance_state(event_id, "canceled")
+            await until(lambda: len(kube.events()) == 2)
+    assert needed(kube.calls, granted) == granted

@@ -21,6 +21,7 @@ from agent.fakes.kube import FakeKube
 from agent.fakes.processes import status_of
 from daemonset.planning import NOTICE_ID, TAINT_KEY
 from tests.conftest import node_agent, until
+from tests.deploy.manifests import grants, needed, render
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
@@ -235,3 +236,25 @@ async def test_a_late_notice_for_an_instance_whose_node_name_was_reused_touches_
             await until(lambda: messages_left(sqs, queue) == 0)
     assert any(e["event"] == "node.replaced" and e["found"] == new for e in logs)
     assert [d.name for d in kube.deletions] == ["vllm-new"]
+
+
+async def test_queue_mode_calls_exactly_what_its_account_is_granted(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    granted = grants(render("overlays/queue-mode"), "spotdrain", "spotdrain-queue")
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_4d5e6f"
+
+    def change(status: str) -> str:
+        start = utcnow() + timedelta(days=1)
+        return health_change(("i-0000000000000002",), arn=arn, status=status, start=start, time=utcnow(), region=REGION)
+
+    sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
+    sqs.send_message(QueueUrl=queue, MessageBody=change("open"))
+    async with queue_agent(kube, moto, queue, tmp_path):
+        await until(lambda: kube.pod("ml", "vllm-1") is None and kube.pod("ml", "vllm-2") is None)
+        await until(lambda: messages_left(sqs, queue) == 0)
+        sqs.send_message(QueueUrl=queue, MessageBody=change("closed"))
+        await until(lambda: "unschedulable" not in kube.node("gpu-2")["spec"])
+        await until(lambda: messages_left(sqs, queue) == 0)
+    assert needed(kube.calls, granted) == granted
