@@ -221,12 +221,27 @@ class FakeKube:
         selector: Mapping[str, str],
         min_available: int | str | None = None,
         max_unavailable: int | str | None = None,
+        unhealthy_pod_eviction_policy: str | None = None,
     ) -> Obj:
         """A PodDisruptionBudget whose ``selector`` is its matchLabels."""
         pdb = kube_objects.pdb(
-            namespace, name, selector=selector, min_available=min_available, max_unavailable=max_unavailable
+            namespace,
+            name,
+            selector=selector,
+            min_available=min_available,
+            max_unavailable=max_unavailable,
+            unhealthy_pod_eviction_policy=unhealthy_pod_eviction_policy,
         )
         return self.store.create(PDBS, namespace, pdb)
+
+    def set_containers_ready(self, namespace: str, name: str, ready: bool) -> Obj | None:
+        """Report the pod's readiness probes, as its kubelet would: ContainersReady, and Ready with the gates.
+
+        Returns the pod, or None when it is gone.
+        """
+        if (pod := self.store.find(PODS, namespace, name)) is None:
+            return None
+        return self.store.update(PODS, kube_objects.with_containers_ready(pod, ready, now=self._now()))
 
     def node(self, name: str) -> Obj:
         """The node; KeyError if there is none."""
