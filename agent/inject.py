@@ -23,6 +23,13 @@ SIDECAR_PORT = 8081  # sidecar.settings: --port
 DRAIN_DIR = "/run/spotdrain"  # sidecar.settings: --drain-dir
 GATE = "spotdrain.io/serving"  # sidecar.gate: the condition --readiness-gate patches
 GRACE_MARGIN_S = 20  # after the drain: the engine's own SIGTERM handling and exit
+# A drained pod is not Ready before its eviction: only this policy lets the API server evict it whatever its
+# budget's other pods do (pkg/registry/core/pod/storage/eviction.go).
+POLICY, ALWAYS_ALLOW = "unhealthyPodEvictionPolicy", "AlwaysAllow"
+WITHOUT_POLICY = (
+    "without it the API server refuses to evict the pods the sidecar has taken out of rotation, and they go down "
+    "with the instance"
+)
 ENGINE_PORTS = {"vllm": 8000, "tgi": 80, "sglang": 30000}
 # Ray's metrics agent serves vLLM's gauges renamed (":" becomes "_", "ray_" in front) on each node's export port.
 RAY_METRICS_PORT = 8080
@@ -283,6 +290,11 @@ def main(args: argparse.Namespace) -> int:
     sys.stdout.write(injected.text)
     for where in injected.changed:
         print(f"spotdrain inject: added the sidecar to {where}", file=sys.stderr)
+    for budget in (name for name, allows in injected.budgets.items() if not allows):
+        print(f"spotdrain inject: warning: {budget} has no {POLICY}: {ALWAYS_ALLOW}; {WITHOUT_POLICY}", file=sys.stderr)
+    if injected.changed and not injected.budgets:
+        advice = f"a PodDisruptionBudget over these pods needs {POLICY}: {ALWAYS_ALLOW}; {WITHOUT_POLICY}"
+        print(f"spotdrain inject: note: {advice}", file=sys.stderr)
     if not injected.changed:
         print("spotdrain inject: no engine without the sidecar found; the manifest is unchanged", file=sys.stderr)
     return 0

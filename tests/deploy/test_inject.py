@@ -311,6 +311,44 @@ def test_the_command_reads_a_file_and_reports_what_it_changed(
     assert "Deployment default/vllm spec.template.spec" in err
 
 
+BUDGET = """\
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: vllm
+  namespace: default
+spec:
+  maxUnavailable: 1
+  selector:
+    matchLabels: {app: vllm}
+"""
+
+
+def test_a_budget_without_always_allow_is_named_in_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "app.yaml"
+    path.write_text(VLLM + "---\n" + BUDGET)
+    code, out, err = _run(capsys, "-f", str(path))
+    assert code == 0
+    assert out.endswith(BUDGET), "the budget itself is left as the user wrote it"
+    warning = "warning: PodDisruptionBudget default/vllm has no unhealthyPodEvictionPolicy: AlwaysAllow"
+    assert warning in err
+    path.write_text(VLLM + "---\n" + BUDGET + "  unhealthyPodEvictionPolicy: AlwaysAllow\n")
+    code, _, err = _run(capsys, "-f", str(path))
+    assert (code, "warning" in err, "note" in err) == (0, False, False)
+
+
+def test_a_workload_given_the_sidecar_comes_with_a_note_on_budgets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "app.yaml"
+    path.write_text(VLLM)
+    code, _, err = _run(capsys, "-f", str(path))
+    assert code == 0
+    assert "note: a PodDisruptionBudget over these pods needs unhealthyPodEvictionPolicy: AlwaysAllow" in err
+
+
 def test_the_command_reads_standard_input(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO(VLLM))
     code, out, _ = _run(capsys, "-f", "-")
