@@ -285,6 +285,40 @@ def test_readiness_gate_adds_the_condition_and_the_pods_identity(
     assert spec["readinessGates"] == [{"conditionType": "spotdrain.io/serving"}]
 
 
+@pytest.mark.parametrize("text", [VLLM, RAY], ids=["deployment", "raycluster"])
+def test_readiness_gate_mounts_the_accounts_token_in_the_sidecar_alone(
+    text: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _inject(text, readiness_gate=True)
+    settings, spec = _sidecar(out, monkeypatch, capsys)
+    token_dir = str(settings.gate.serviceaccount_dir)
+    mounting = {
+        c["name"]: m["name"]
+        for c in spec["containers"]
+        for m in c.get("volumeMounts", [])
+        if m["mountPath"] == token_dir
+    }
+    assert list(mounting) == ["spotdrain"]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mounting["spotdrain"]]
+    sources = volume["projected"]["sources"]
+    assert sources[0]["serviceAccountToken"]["path"] == "token"
+    assert sources[1]["configMap"] == {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    namespace = {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert sources[2]["downwardAPI"]["items"] == [namespace]
+    assert schema_errors(next(yaml.safe_load_all(out))) == []
+    assert _inject(out, readiness_gate=True) == out
+
+
+def test_without_the_gate_no_token_is_mounted() -> None:
+    assert "serviceaccount" not in _inject(VLLM)
+
+
+def test_a_volume_of_the_users_under_the_token_volumes_name_is_refused() -> None:
+    text = VLLM + "      volumes:\n        - name: spotdrain-token\n          emptyDir: {}\n"
+    with pytest.raises(InjectError, match="spotdrain-token"):
+        _inject(text, readiness_gate=True)
+
+
 def test_no_notice_url_means_no_host_ip(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     settings, spec = _sidecar(_inject(VLLM, notice_url=None), monkeypatch, capsys)
     assert settings.drain.notice_url is None
