@@ -114,7 +114,8 @@ async def evict(core: Any, name: str) -> tuple[int, dict[str, Any], str | None]:
     try:
         await core.create_namespaced_pod_eviction(name, "ml", client.V1Eviction())
     except ApiException as error:
-        return error.status, json.loads(error.body), (error.headers or {}).get("Retry-After")
+        headers: Any = error.headers or {}
+        return error.status, json.loads(error.body or "{}"), headers.get("Retry-After")
     return 201, {}, None
 
 
