@@ -165,3 +165,11 @@ async def test_an_unready_pod_goes_under_the_default_policy_while_the_budget_is_
     kube.set_containers_ready("ml", "vllm-2", False)  # 2 healthy, 2 desired: met, but no disruption allowed
     assert (await evict(core, "vllm-0"))[0] == 429
     assert (await evict(core, "vllm-2"))[0] == 201
+
+
+async def test_a_single_unready_replica_is_refused_because_its_budget_desires_no_pod(kube: FakeKube, core: Any) -> None:
+    kube.add_pod("ml", "vllm-0", node="gpu-1", labels=LABELS)
+    kube.add_pdb("ml", "vllm", selector=LABELS, max_unavailable=1)  # desiredHealthy 0: "> 0" fails
+    kube.set_containers_ready("ml", "vllm-0", False)
+    status, body, _ = await evict(core, "vllm-0")
+    assert (status, body["message"]) == (429, REFUSED)
