@@ -26,7 +26,7 @@ from daemonset.eviction import Drainer
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import NodeActions, NodeIndex
 from daemonset.notice import Notice
-from daemonset.planning import Node, marked_for, plan_mark, plan_unmark
+from daemonset.planning import Node, instance_id_of, marked_for, plan_mark, plan_unmark, resumed
 from daemonset.progress import Progress
 
 log = structlog.get_logger()
@@ -37,6 +37,10 @@ CONFLICT_RETRIES = 5
 
 class NodeGone(Exception):
     """The node a notice is for is not in the cluster (any more)."""
+
+
+class NodeReplaced(NodeGone):
+    """The node under the name found for the notice's instance is another instance's now."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,9 @@ class NodeHandler:
         if notice.withdrawn:
             await self._withdraw(notice, node)
             return
+        if notice.reckoned:
+            # The node, not the agent, remembers when the notice was first seen: a restart must not move it.
+            notice = resumed(await self._read(node, notice), notice)
         if notice.kind.definitive and self.board is not None:
             self.board.publish(node, notice)  # sidecars first: they leave rotation while the node is being patched
         if await self._mark(notice, node):
@@ -178,14 +185,14 @@ class NodeHandler:
         # the calls before the taint. A stale copy costs a 409 and a fresh read, never a wrong patch.
         listed = self.index.take(name) if self.index is not None else None
         for _ in range(CONFLICT_RETRIES):
-            node = listed or await self._read(name, notice)
+            node = self._confirmed(name, listed, notice) if listed else await self._read(name, notice)
             patch = plan_mark(node, notice)
             if patch is None and listed is not None:
                 listed = None  # "already marked" is only believed from a fresh read
                 continue
             listed = None
             if patch is None:
-                log.info("node.already_marked", node=name, notice=notice.id)
+                log.info("node.already_marked", node=name, notice=notice.id, marked_for=marked_for(node))
                 return False
             try:
                 await self._patch(name, patch, notice)
@@ -227,8 +234,26 @@ class NodeHandler:
     async def _read(self, name: str, notice: Notice) -> Node:
         node = await self._call("node.read", functools.partial(self.actions.get_node, name), notice)
         if node is None:
+            if self.index is not None:
+                self.index.forget(notice.instance_id)
             raise NodeGone(f"node {name} not found")
-        return node
+        return self._confirmed(name, node, notice)
+
+    def _confirmed(self, name: str, node: Node, notice: Notice) -> Node:
+        """``node`` if it is the notice's instance. Every mark and withdrawal patches a node read this way, guarded by
+        its resourceVersion, and the drain follows its mark at once.
+
+        In queue mode the name comes from an earlier node list, and EKS names nodes after their private IP, which a
+        new instance can reuse: a late notice for the old instance must not touch the new node. On a mismatch the
+        instance is looked up afresh (NodeReplaced is retried like NodeGone), and a notice whose instance is no
+        node any more goes back to its source as unmatched. In IMDS mode the node is the agent's own, named by the
+        kubelet through the downward API, and the notice comes from that instance's own metadata service.
+        """
+        if self.index is None or (found := instance_id_of(node)) == notice.instance_id:
+            return node
+        self.index.forget(notice.instance_id)
+        log.warning("node.replaced", node=name, notice=notice.id, instance=notice.instance_id, found=found)
+        raise NodeReplaced(f"node {name} is instance {found} now, not {notice.instance_id}")
 
     def _log_marked(self, name: str, notice: Notice, patch: dict[str, object]) -> None:
         spec = patch.get("spec")

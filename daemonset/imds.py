@@ -27,6 +27,7 @@ from daemonset.imds_parse import (
     ImdsFormatError,
     parse,
     parse_instance_id,
+    parse_token,
 )
 from daemonset.notice import Notice
 
@@ -35,7 +36,9 @@ log = structlog.get_logger()
 DEFAULT_URL = "http://169.254.169.254"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
-ERROR_KINDS = ("timeout", "unreachable", "server", "throttled", "unauthorized", "malformed")
+# bad_token: the token request was answered 200 with something that is not a token (a captive proxy, a misrouted
+# hop). Unlike a malformed notice document it stops every read, so it is backed off like an outage.
+ERROR_KINDS = ("timeout", "unreachable", "server", "throttled", "unauthorized", "malformed", "bad_token")
 REFRESH_AT = 0.8  # of the token's TTL: renew well before IMDS starts answering 401
 MAX_BACKOFF_S = 5.0
 
@@ -113,10 +116,10 @@ class ImdsClient:
         status, body = await self._send("PUT", TOKEN, {TTL_HEADER: str(self.token_ttl_s)})
         if status != 200:
             raise ImdsError(status_kind(status) or "malformed", f"PUT {TOKEN} answered HTTP {status}")
-        token = body.decode("ascii", errors="replace").strip()
-        if not token:
-            raise ImdsError("malformed", f"PUT {TOKEN} answered an empty token")
-        return token
+        try:
+            return parse_token(body)
+        except ImdsFormatError as error:
+            raise ImdsError("bad_token", str(error)) from None
 
     def _forget(self, token: str | None) -> None:
         """The token was refused: the next request asks for a new one (in IMDSv1 mode, tries tokens again)."""

@@ -180,7 +180,8 @@ class DryRunActions:
 
 
 class NodeIndex:
-    """Instance id to node name, from ``spec.providerID``; refreshed from a LIST when an id is not known.
+    """Instance id to node name, from ``spec.providerID``; refreshed from a LIST when an id is not known, or when the
+    handler found the named node gone or another instance's (``forget``).
 
     Lookups that arrive while a LIST is under way wait for it rather than start their own, and a miss right after
     a LIST does not list again (a burst of notices for instances that are not nodes must not flood the API).
@@ -203,6 +204,14 @@ class NodeIndex:
             if self._refreshing is not None:
                 await asyncio.shield(self._refreshing)
         return self.by_instance.get(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        """The node found for ``instance_id`` is gone or another instance's: the next lookup lists the nodes again,
+        however recent the last list was."""
+        name = self.by_instance.pop(instance_id, None)
+        if name is not None:
+            self.listed.pop(name, None)
+        self._refreshed_at = None
 
     def take(self, name: str) -> Node | None:
         """The node as last listed, once: a second use could only be staler."""
