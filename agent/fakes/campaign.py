@@ -9,7 +9,7 @@ against moto's SQS. One fault per run, at a random point (the number of API requ
   each acted on by the API first or not;
 - ``server-error``, ``conflict``, ``throttled``: 5xx on one to three requests, a 409, a 429 with Retry-After;
 - ``imds-outage``: IMDS answers 500 or 503 to its next requests; ``imds-token``: every token is refused (401) and the
-  next token requests fail;
+  next token requests fail, or are answered for a while with an HTML page, as by a captive proxy;
 - ``agent-restart``: when the chosen request arrives the agent is killed (its tasks cancelled: nothing it would do
   next happens) and a new one starts over the same cluster, as the kubelet restarts a container.
 
@@ -255,7 +255,11 @@ def inject(plan: Plan, kube: FakeKube, imds: FakeImds, agent: Agent) -> None:
         imds.fail_next("*", plan.status if plan.status in (500, 503) else 503, count=plan.count)
     elif plan.fault == "imds-token":
         imds.expire_tokens()
-        imds.fail_next("/latest/api/token", 500, count=plan.count)
+        if plan.variant:  # a captive proxy answers the token request for a while
+            imds.answer_tokens_with("<html><body><form>Sign in to continue</form></body></html>\n")
+            asyncio.get_running_loop().call_later(0.1 * plan.count, imds.answer_tokens_with, None)
+        else:
+            imds.fail_next("/latest/api/token", 500, count=plan.count)
     elif plan.fault == "agent-restart":
         kube.faults.inject("kill", skip=plan.point, on_strike=agent.kill)
     elif plan.fault in ("server-error", "conflict", "throttled"):
