@@ -66,7 +66,10 @@ class Drainer:
             await asyncio.sleep(self.policy.delay_s)
         accepted = await asyncio.gather(*(self._evict(e, deadline=deadline) for e in plan))
         outcomes = {f"{e.namespace}/{e.name}": ok for e, ok in zip(plan, accepted, strict=True)}
-        waiting = {pod for pod, ok in outcomes.items() if ok}
+        # A pod already terminating (evicted before a restart of the agent, or by someone else) is not evicted
+        # again, but the node is not empty until it is gone: its notice is not done before then either.
+        terminating = {pod for pod, reason in skipped.items() if reason == "terminating"}
+        waiting = {pod for pod, ok in outcomes.items() if ok} | terminating
         took = await self._wait_gone(node, waiting, deadline=deadline, started=started)
         self.metrics.drain_duration.observe(loop.time() - started)
         drained = Drained(evicted=took, not_evicted=tuple(sorted(p for p, ok in outcomes.items() if ok is False)))

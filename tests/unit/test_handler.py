@@ -187,6 +187,29 @@ async def test_a_restarted_agent_resumes_without_doing_anything_twice(actions: R
 
 
 @pytest.mark.looptime
+async def test_a_restarted_agent_waits_for_the_pods_already_terminating_before_acknowledging(
+    actions: RecordingActions,
+) -> None:
+    first, _, _ = handler_for(actions, evict=False)
+    await first.handle(spot())
+    actions.pods["vllm-0"]["metadata"]["deletionTimestamp"] = "2026-11-29T10:20:30Z"
+    ack = RecordingAck()
+    restarted, _, _ = handler_for(actions)
+
+    async def kubelet_removes_the_terminating_pod() -> None:
+        await asyncio.sleep(30)
+        del actions.pods["vllm-0"]
+
+    removal = asyncio.create_task(kubelet_removes_the_terminating_pod())
+    started = asyncio.get_running_loop().time()
+    await restarted.handle(spot(ack=ack, source=Source.SQS))
+    assert asyncio.get_running_loop().time() - started >= 30
+    assert removal.done()
+    assert ack.said.count("succeeded") == 1
+    assert ack.said[-1] == "succeeded"
+
+
+@pytest.mark.looptime
 async def test_a_rebalance_recommendation_only_adds_a_soft_taint(actions: RecordingActions) -> None:
     handler, board, _ = handler_for(actions)
     await handler.handle(Notice(Kind.REBALANCE_RECOMMENDATION, "i-0abc", T0 + timedelta(seconds=120), Source.IMDS))
