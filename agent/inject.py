@@ -22,7 +22,16 @@ SIDECAR = "spotdrain"
 SIDECAR_PORT = 8081  # sidecar.settings: --port
 DRAIN_DIR = "/run/spotdrain"  # sidecar.settings: --drain-dir
 GATE = "spotdrain.io/serving"  # sidecar.gate: the condition --readiness-gate patches
+TOKEN_VOLUME = "spotdrain-token"
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # sidecar.settings: --serviceaccount-dir
 GRACE_MARGIN_S = 20  # after the drain: the engine's own SIGTERM handling and exit
+# A drained pod is not Ready before its eviction: only this policy lets the API server evict it whatever its
+# budget's other pods do (pkg/registry/core/pod/storage/eviction.go).
+POLICY, ALWAYS_ALLOW = "unhealthyPodEvictionPolicy", "AlwaysAllow"
+WITHOUT_POLICY = (
+    "without it the API server refuses to evict the pods the sidecar has taken out of rotation, and they go down "
+    "with the instance"
+)
 ENGINE_PORTS = {"vllm": 8000, "tgi": 80, "sglang": 30000}
 # Ray's metrics agent serves vLLM's gauges renamed (":" becomes "_", "ray_" in front) on each node's export port.
 RAY_METRICS_PORT = 8080
@@ -139,9 +148,13 @@ def sidecar_container(engine_args: list[str], options: Options) -> Obj:
         args += ["--notice-url", options.notice_url]
         if "$(HOST_IP)" in options.notice_url:
             env.append(_field_env("HOST_IP", "status.hostIP"))
+    mounts: list[Obj] = [{"name": SIDECAR, "mountPath": DRAIN_DIR}]
     if options.readiness_gate:
         args.append("--readiness-gate")
         env += [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
+        # A mount at the standard path also stops the API server's automount from adding its own to this container
+        # (plugin/pkg/admission/serviceaccount/admission.go), so the two never clash.
+        mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
     return {
         "name": SIDECAR,
         "image": options.image,
@@ -160,7 +173,24 @@ def sidecar_container(engine_args: list[str], options: Options) -> Obj:
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": [{"name": SIDECAR, "mountPath": DRAIN_DIR}],
+        "volumeMounts": mounts,
+    }
+
+
+def token_volume() -> Obj:
+    """The account's token, CA and namespace, as the API server's own automount projects them (the kube-api-access
+    volume: https://kubernetes.io/docs/reference/access-authn-authz/service-accounts-admin/#bound-service-account-token-volume),
+    for the sidecar alone: the pod may (and deploy/vllm does) set automountServiceAccountToken: false, so that the
+    engine, which runs model code, holds no token."""
+    return {
+        "name": TOKEN_VOLUME,
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+            ]
+        },
     }
 
 
@@ -214,6 +244,9 @@ def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> 
     """Give one pod spec the sidecar for its ``engine`` container (running ``kind``), in place."""
     spec = target.spec
     _check_free(spec, engine, target.where)
+    theirs = [v for v in spec.get("volumes") or [] if isinstance(v, dict) and v.get("name") == TOKEN_VOLUME]
+    if options.readiness_gate and theirs and theirs[0] != token_volume():
+        raise InjectError(f"{target.where}: a volume named {TOKEN_VOLUME!r} exists and is not the account's token")
     sidecar = sidecar_container(_engine_args(engine, kind, target.ray_params), options)
     _wire_engine(engine, target.where)
     spec["containers"].append(sidecar)
@@ -222,6 +255,7 @@ def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> 
     spec["terminationGracePeriodSeconds"] = max(spec.get("terminationGracePeriodSeconds", 30), needed)
     if options.readiness_gate:
         _add_once(_list(spec, "readinessGates", target.where), {"conditionType": GATE}, key="conditionType")
+        _add_once(spec["volumes"], token_volume(), key="name")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -283,6 +317,11 @@ def main(args: argparse.Namespace) -> int:
     sys.stdout.write(injected.text)
     for where in injected.changed:
         print(f"spotdrain inject: added the sidecar to {where}", file=sys.stderr)
+    for budget in (name for name, allows in injected.budgets.items() if not allows):
+        print(f"spotdrain inject: warning: {budget} has no {POLICY}: {ALWAYS_ALLOW}; {WITHOUT_POLICY}", file=sys.stderr)
+    if injected.changed and not injected.budgets:
+        advice = f"a PodDisruptionBudget over these pods needs {POLICY}: {ALWAYS_ALLOW}; {WITHOUT_POLICY}"
+        print(f"spotdrain inject: note: {advice}", file=sys.stderr)
     if not injected.changed:
         print("spotdrain inject: no engine without the sidecar found; the manifest is unchanged", file=sys.stderr)
     return 0

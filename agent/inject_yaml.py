@@ -20,6 +20,8 @@ from typing import Any
 import yaml
 
 from agent.inject import (
+    ALWAYS_ALLOW,
+    POLICY,
     SIDECAR,
     InjectError,
     Obj,
@@ -253,6 +255,9 @@ class Injected:
     text: str
     changed: list[str]  # "Deployment inference/vllm spec.template.spec", one per pod spec given the sidecar
     containers: set[str]  # every container name seen in a workload
+    budgets: dict[
+        str, bool
+    ]  # each PodDisruptionBudget in the input: does it say unhealthyPodEvictionPolicy: AlwaysAllow
 
 
 def inject_text(text: str, options: Options) -> Injected:
@@ -260,6 +265,7 @@ def inject_text(text: str, options: Options) -> Injected:
     parts: list[str] = []
     changed: list[str] = []
     containers: set[str] = set()
+    budgets: dict[str, bool] = {}
     objects = 0
     for document in split_documents(text):
         obj = _load(document)
@@ -267,6 +273,8 @@ def inject_text(text: str, options: Options) -> Injected:
             parts.append(document.text)
             continue
         objects += 1
+        if obj["kind"] == "PodDisruptionBudget":
+            budgets[_describe(obj)] = section(obj, "spec", "spec").get(POLICY) == ALWAYS_ALLOW
         edited = copy.deepcopy(obj)
         try:
             where = inject_into(edited, options)
@@ -277,4 +285,4 @@ def inject_text(text: str, options: Options) -> Injected:
         changed += [f"{_describe(obj)} {place}" for place in where]
     if not objects:
         raise InjectError("the input holds no Kubernetes object")
-    return Injected("".join(parts), changed, containers)
+    return Injected("".join(parts), changed, containers, budgets)

@@ -39,6 +39,10 @@ class InCluster:
             host = f"[{host}]"
         return cls(f"https://{host}:{port}", serviceaccount_dir / "token", serviceaccount_dir / "ca.crt")
 
+    def missing(self) -> list[str]:
+        """The files a call needs that are not there: a container without the account's token mounted."""
+        return [str(path) for path in (self.token_path, self.ca_path) if not path.is_file()]
+
     def ssl_context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.ca_path))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from bench import burst, cache, fleet, inflight_parse, node, prestop, sidecar
+from bench import burst, cache, faults, fleet, inflight_parse, node, prestop, sidecar
 from bench.common import Result, report
 
 
@@ -18,7 +18,14 @@ async def run(names: set[str]) -> list[Result]:
         results.append(inflight_parse.measure())
     if not names or "prestop" in names:
         results += prestop.measure()
-    modules = (("sidecar", sidecar), ("node", node), ("burst", burst), ("cache", cache), ("fleet", fleet))
+    modules = (
+        ("sidecar", sidecar),
+        ("node", node),
+        ("burst", burst),
+        ("cache", cache),
+        ("fleet", fleet),
+        ("faults", faults),
+    )
     for name, module in modules:
         if not names or name in names:
             results += await module.measure()

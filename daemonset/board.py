@@ -20,9 +20,10 @@ class NoticeBoard:
         self.by_node: dict[str, Notice] = {}
 
     def publish(self, node: str, notice: Notice) -> None:
-        """Show a definitive notice for ``node``; an earlier deadline wins over a later one."""
+        """Show a definitive notice for ``node``; an earlier deadline wins over a later one, and of two with the
+        same deadline the first stays (the sidecars see one id, as the node's annotation does)."""
         current = self.by_node.get(node)
-        if notice.kind.definitive and (current is None or notice.deadline <= current.deadline):
+        if notice.kind.definitive and (current is None or notice.deadline < current.deadline):
             self.by_node[node] = notice
 
     def withdraw(self, node: str, notice: Notice) -> None:

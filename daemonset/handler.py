@@ -1,36 +1,46 @@
 """The node handler: for each notice, mark the node, tell its sidecars, evict its pods, then acknowledge.
 
 Acting is idempotent and its state lives on the node: a notice the node is already marked for is not marked
-again (no second Event), and its drain resumes with the pods still there. A failure is retried until the notice's
-deadline; only then is the notice handed back to its source (an SQS message comes back, later, or is dropped).
+again (no second Event), and its drain resumes with the pods still there. Each API call retries its transient errors
+on a schedule of its own, bounded by the notice's deadline; whatever else fails (any exception) retries the whole
+action with backoff. Only at the deadline is the notice handed back to its source (an SQS message comes back, later,
+or is dropped).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, TypeVar
 
 import structlog
 
 from agent.clock import rfc3339
-from agent.retry import BACKOFF_S, ApiError
+from agent.retry import BACKOFF_S, ApiError, retrying
 from daemonset.board import NoticeBoard
 from daemonset.eviction import Drainer
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import NodeActions, NodeIndex
 from daemonset.notice import Notice
-from daemonset.planning import Node, marked_for, plan_mark, plan_unmark
+from daemonset.planning import Node, instance_id_of, marked_for, plan_mark, plan_unmark, resumed
+from daemonset.progress import Progress
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 CONFLICT_RETRIES = 5
 
 
 class NodeGone(Exception):
     """The node a notice is for is not in the cluster (any more)."""
+
+
+class NodeReplaced(NodeGone):
+    """The node under the name found for the notice's instance is another instance's now."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class NodeHandler:
         board: NoticeBoard | None = None,
         local_node: str | None = None,
         index: NodeIndex | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.actions = actions
         self.drainer = drainer
@@ -60,6 +71,7 @@ class NodeHandler:
         self.board = board
         self.local_node = local_node
         self.index = index
+        self.progress = progress
         # Keyed by id and withdrawal: a canceled event has its notice's id, and must not wait behind its drain.
         self._active: dict[tuple[str, bool], asyncio.Future[str | None]] = {}
 
@@ -83,6 +95,13 @@ class NodeHandler:
         else:
             await notice.ack.retry(outcome)
 
+    async def close(self) -> None:
+        """Stop acting on every notice in hand (the agent is stopping); returns once their work has ended."""
+        running = list(self._active.values())
+        for future in running:
+            future.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
     async def _act_until_deadline(self, notice: Notice) -> str | None:
         """Act, retrying failures until the deadline; None when done, else why it was given up."""
         received = asyncio.get_running_loop().time()
@@ -96,7 +115,12 @@ class NodeHandler:
             source=notice.source.value,
             withdrawn=notice.withdrawn,
         )
-        backoff = iter(BACKOFF_S)
+        held = self.progress.holding(notice.id) if self.progress is not None else contextlib.nullcontext()
+        with held:
+            return await self._retry_until_deadline(notice, received=received)
+
+    async def _retry_until_deadline(self, notice: Notice, *, received: float) -> str | None:
+        backoff = iter(BACKOFF_S)  # for failures a call's own retries did not absorb
         while True:
             try:
                 node = await self._node_name(notice)
@@ -106,30 +130,51 @@ class NodeHandler:
                     return f"instance {notice.instance_id} is not a node of this cluster"
                 await self._act(notice, node, received=received)
                 return None
-            except (ApiError, NodeGone) as error:
+            except Exception as error:  # whatever it is, the notice stays pending until its deadline
+                reason = str(error) if isinstance(error, ApiError | NodeGone) else f"{type(error).__name__}: {error}"
                 wait_s = next(backoff, BACKOFF_S[-1])
-                if (notice.deadline - self.clock()).total_seconds() < wait_s:
-                    log.error("notice.failed", notice=notice.id, error=str(error))
-                    return str(error)
-                log.warning("notice.retry", notice=notice.id, error=str(error), retry_in_s=wait_s)
+                if self._left_s(notice) < wait_s:
+                    log.error("notice.failed", notice=notice.id, error=reason)
+                    return reason
+                log.warning("notice.retry", notice=notice.id, error=reason, retry_in_s=wait_s)
                 await asyncio.sleep(wait_s)
+
+    def _left_s(self, notice: Notice) -> float:
+        return (notice.deadline - self.clock()).total_seconds()
+
+    async def _call(
+        self,
+        what: str,
+        call: Callable[[], Awaitable[T]],
+        notice: Notice,
+        *,
+        retry_if: Callable[[ApiError], bool] = lambda error: error.transient,
+    ) -> T:
+        """One API call, its transient errors retried on a schedule of its own until the notice's deadline."""
+        return await retrying(call, what=what, forever=True, left_s=lambda: self._left_s(notice), retry_if=retry_if)
 
     async def _node_name(self, notice: Notice) -> str | None:
         if self.local_node is not None:
             return self.local_node
-        assert self.index is not None, "queue mode needs a node index"
-        return await self.index.node_for(notice.instance_id, now=asyncio.get_running_loop().time())
+        index = self.index
+        assert index is not None, "queue mode needs a node index"
+        return await self._call(
+            "nodes.list", lambda: index.node_for(notice.instance_id, now=asyncio.get_running_loop().time()), notice
+        )
 
     async def _act(self, notice: Notice, node: str, *, received: float) -> None:
         if notice.withdrawn:
             await self._withdraw(notice, node)
             return
+        if notice.reckoned:
+            # The node, not the agent, remembers when the notice was first seen: a restart must not move it.
+            notice = resumed(await self._read(node, notice), notice)
+        if notice.kind.definitive and self.board is not None:
+            self.board.publish(node, notice)  # sidecars first: they leave rotation while the node is being patched
         if await self._mark(notice, node):
             self.metrics.notice_to_taint.observe(asyncio.get_running_loop().time() - received)
         if not notice.kind.definitive:
             return
-        if self.board is not None:
-            self.board.publish(node, notice)
         if self.policy.evict:
             async with self._heartbeats(notice):
                 await self.drainer.drain(node, deadline=notice.deadline, notice_id=notice.id)
@@ -140,17 +185,17 @@ class NodeHandler:
         # the calls before the taint. A stale copy costs a 409 and a fresh read, never a wrong patch.
         listed = self.index.take(name) if self.index is not None else None
         for _ in range(CONFLICT_RETRIES):
-            node = listed or await self._read(name)
+            node = self._confirmed(name, listed, notice) if listed else await self._read(name, notice)
             patch = plan_mark(node, notice)
             if patch is None and listed is not None:
                 listed = None  # "already marked" is only believed from a fresh read
                 continue
             listed = None
             if patch is None:
-                log.info("node.already_marked", node=name, notice=notice.id)
+                log.info("node.already_marked", node=name, notice=notice.id, marked_for=marked_for(node))
                 return False
             try:
-                await self.actions.patch_node(name, patch)
+                await self._patch(name, patch, notice)
             except ApiError as error:
                 if error.status != 409:
                     raise
@@ -165,13 +210,13 @@ class NodeHandler:
         if self.board is not None:
             self.board.withdraw(name, notice)
         for _ in range(CONFLICT_RETRIES):
-            node = await self._read(name)
+            node = await self._read(name, notice)
             patch = plan_unmark(node) if marked_for(node) == notice.id else None
             if patch is None:
                 log.info("node.nothing_to_withdraw", node=name, notice=notice.id)
                 return
             try:
-                await self.actions.patch_node(name, patch)
+                await self._patch(name, patch, notice)
             except ApiError as error:
                 if error.status != 409:
                     raise
@@ -181,11 +226,34 @@ class NodeHandler:
             return
         raise ApiError(409, f"node {name} kept changing while it was being unmarked")
 
-    async def _read(self, name: str) -> Node:
-        node = await self.actions.get_node(name)
+    async def _patch(self, name: str, patch: dict[str, Any], notice: Notice) -> None:
+        # A 409 is not sent again: the patch is guarded by the resourceVersion it was planned from.
+        patching = functools.partial(self.actions.patch_node, name, patch)
+        await self._call("node.patch", patching, notice, retry_if=lambda error: error.transient and error.status != 409)
+
+    async def _read(self, name: str, notice: Notice) -> Node:
+        node = await self._call("node.read", functools.partial(self.actions.get_node, name), notice)
         if node is None:
+            if self.index is not None:
+                self.index.forget(notice.instance_id)
             raise NodeGone(f"node {name} not found")
-        return node
+        return self._confirmed(name, node, notice)
+
+    def _confirmed(self, name: str, node: Node, notice: Notice) -> Node:
+        """``node`` if it is the notice's instance. Every mark and withdrawal patches a node read this way, guarded by
+        its resourceVersion, and the drain follows its mark at once.
+
+        In queue mode the name comes from an earlier node list, and EKS names nodes after their private IP, which a
+        new instance can reuse: a late notice for the old instance must not touch the new node. On a mismatch the
+        instance is looked up afresh (NodeReplaced is retried like NodeGone), and a notice whose instance is no
+        node any more goes back to its source as unmatched. In IMDS mode the node is the agent's own, named by the
+        kubelet through the downward API, and the notice comes from that instance's own metadata service.
+        """
+        if self.index is None or (found := instance_id_of(node)) == notice.instance_id:
+            return node
+        self.index.forget(notice.instance_id)
+        log.warning("node.replaced", node=name, notice=notice.id, instance=notice.instance_id, found=found)
+        raise NodeReplaced(f"node {name} is instance {found} now, not {notice.instance_id}")
 
     def _log_marked(self, name: str, notice: Notice, patch: dict[str, object]) -> None:
         spec = patch.get("spec")
@@ -209,8 +277,8 @@ class NodeHandler:
             message = f"{notice.kind.value} from {notice.source.value}, deadline {rfc3339(notice.deadline)}: {action}"
         try:
             await self.actions.event(node, reason=reason, message=message, warning=not withdrawn)
-        except ApiError as error:
-            log.warning("node.event_failed", node=node["metadata"]["name"], error=str(error))
+        except Exception as error:
+            log.warning("node.event_failed", node=node["metadata"]["name"], error=f"{type(error).__name__}: {error}")
 
     @contextlib.asynccontextmanager
     async def _heartbeats(self, notice: Notice) -> AsyncIterator[None]:

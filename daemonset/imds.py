@@ -2,13 +2,15 @@
 
 IMDSv2 throughout: a session token from ``PUT /latest/api/token``, renewed before it expires and after a 401. IMDSv1
 (no token) only where allowed and only when no token can be had. Failures are counted by kind and backed off; they
-never end the stream of notices.
+never end the stream of notices. A notice whose action failed before its deadline is handed back through its
+acknowledgement and yielded again by the next poll that still shows it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 import aiohttp
@@ -25,6 +27,7 @@ from daemonset.imds_parse import (
     ImdsFormatError,
     parse,
     parse_instance_id,
+    parse_token,
 )
 from daemonset.notice import Notice
 
@@ -33,7 +36,9 @@ log = structlog.get_logger()
 DEFAULT_URL = "http://169.254.169.254"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
-ERROR_KINDS = ("timeout", "unreachable", "server", "throttled", "unauthorized", "malformed")
+# bad_token: the token request was answered 200 with something that is not a token (a captive proxy, a misrouted
+# hop). Unlike a malformed notice document it stops every read, so it is backed off like an outage.
+ERROR_KINDS = ("timeout", "unreachable", "server", "throttled", "unauthorized", "malformed", "bad_token")
 REFRESH_AT = 0.8  # of the token's TTL: renew well before IMDS starts answering 401
 MAX_BACKOFF_S = 5.0
 
@@ -111,10 +116,10 @@ class ImdsClient:
         status, body = await self._send("PUT", TOKEN, {TTL_HEADER: str(self.token_ttl_s)})
         if status != 200:
             raise ImdsError(status_kind(status) or "malformed", f"PUT {TOKEN} answered HTTP {status}")
-        token = body.decode("ascii", errors="replace").strip()
-        if not token:
-            raise ImdsError("malformed", f"PUT {TOKEN} answered an empty token")
-        return token
+        try:
+            return parse_token(body)
+        except ImdsFormatError as error:
+            raise ImdsError("bad_token", str(error)) from None
 
     def _forget(self, token: str | None) -> None:
         """The token was refused: the next request asks for a new one (in IMDSv1 mode, tries tokens again)."""
@@ -167,19 +172,28 @@ class ImdsSource:
         self._failing: str | None = None  # the error kind last logged, None while IMDS answers
         self._streak = 0  # rounds in a row that failed
         self._lifecycle_seen: dict[bytes, datetime] = {}
+        self._seen: set[tuple[str, bool]] = set()  # notices yielded and not handed back
 
     async def notices(self) -> AsyncIterator[Notice]:
-        """Poll every ``interval_s`` (longer while IMDS fails) and yield each notice the first time it is seen, and a
-        withdrawn one once more. Runs until the consumer stops; IMDS failures never end it."""
+        """Poll every ``interval_s`` (longer while IMDS fails) and yield each notice the first time it is seen (or
+        again once handed back), and a withdrawn one once more. Runs until the consumer stops; IMDS failures never
+        end it."""
         instance_id = self.instance_id or await self.discover()
-        seen: set[tuple[str, bool]] = set()
         while True:
             for notice in await self.poll(instance_id):
-                if (notice.id, notice.withdrawn) not in seen:
-                    seen.add((notice.id, notice.withdrawn))
+                key = (notice.id, notice.withdrawn)
+                if key not in self._seen:
+                    self._seen.add(key)
                     self._announce(notice)
-                    yield notice
+                    yield replace(notice, ack=_HandBack(self, notice, key))
             await asyncio.sleep(self._pause())
+
+    def hand_back(self, notice: Notice, key: tuple[str, bool], reason: str) -> None:
+        """Yield ``notice`` again on the next poll that shows it, unless its deadline has passed."""
+        if self.clock() >= notice.deadline:
+            return
+        self._seen.discard(key)
+        log.info("imds.notice_handed_back", notice=notice.id, reason=reason)
 
     async def discover(self) -> str:
         """Ask IMDS for this instance's id until it tells; returns it."""
@@ -244,3 +258,23 @@ class ImdsSource:
             detail=notice.detail,
             withdrawn=notice.withdrawn,
         )
+
+
+class _HandBack:
+    """An IMDS notice's acknowledgement (``daemonset.notice.Acknowledgement``): IMDS keeps no state to update, so
+    only a retry does anything, handing the notice back to the source that yielded it."""
+
+    def __init__(self, source: ImdsSource, notice: Notice, key: tuple[str, bool]) -> None:
+        self._source, self._notice, self._key = source, notice, key
+
+    async def succeeded(self) -> None:
+        pass
+
+    async def retry(self, reason: str) -> None:
+        self._source.hand_back(self._notice, self._key, reason)
+
+    async def drop(self, reason: str) -> None:
+        pass
+
+    async def heartbeat(self) -> None:
+        pass

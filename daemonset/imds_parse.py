@@ -41,6 +41,10 @@ _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?([Zz]|[+-
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 _GMT = re.compile(r"(\d{1,2}) (" + "|".join(_MONTHS) + r") (\d{4}) (\d{2}):(\d{2}):(\d{2}) GMT", re.ASCII)
 _LIFECYCLE_STATE = re.compile(r"[A-Za-z]+(:[A-Za-z]+)?")
+# AWS documents the IMDSv2 token as opaque; every real one is URL-safe base64 of 56 characters ("AQAEA...==").
+# It goes into a header as it is, so an answer of another shape (a proxy's HTML page, a misrouted hop's JSON) is
+# refused here rather than sent on: a newline in a header value makes aiohttp raise ValueError.
+_TOKEN = re.compile(rb"[A-Za-z0-9+/_=-]{32,512}")
 
 
 class ImdsFormatError(ValueError):
@@ -101,6 +105,14 @@ def parse_time(path: str, text: str) -> datetime:
     except (ValueError, OverflowError):
         raise ImdsFormatError(path, f"{text!r} is not a valid time") from None
     raise ImdsFormatError(path, f"{text!r} is neither RFC 3339 nor 'DD Mon YYYY HH:MM:SS GMT'")
+
+
+def parse_token(body: bytes) -> str:
+    """The session token from a 200 answer to ``PUT /latest/api/token``; anything that is not one is refused."""
+    token = body.strip()
+    if not _TOKEN.fullmatch(token):
+        raise ImdsFormatError(TOKEN, f"answered {len(body)} bytes that are not a session token: {body[:60]!r}")
+    return token.decode("ascii")
 
 
 def parse_instance_id(status: int, body: Body) -> str:

@@ -26,6 +26,7 @@ from daemonset.handler import HandlerPolicy, NodeHandler
 from daemonset.metrics import AgentMetrics
 from daemonset.nodes import DryRunActions, KubeActions, NodeActions, NodeIndex, api_client
 from daemonset.notice import Notice
+from daemonset.progress import Progress, Watched
 from daemonset.settings import NodeSettings, from_arguments
 
 log = structlog.get_logger()
@@ -35,7 +36,8 @@ async def dispatcher(notices: AsyncIterator[Notice], handler: NodeHandler) -> No
     """Hands each notice to the handler in a task of its own, so one long drain holds up no other notice.
 
     Runs as long as its source does (for ever, in practice); a handler that fails is logged and its notice handed
-    back to its source, never allowed to stop the agent.
+    back to its source (an SQS message comes back, IMDS yields it again), never allowed to stop the agent. Cancelled,
+    it stops the handler's work too.
     """
 
     async def guarded(notice: Notice) -> None:
@@ -46,9 +48,12 @@ async def dispatcher(notices: AsyncIterator[Notice], handler: NodeHandler) -> No
             if notice.ack is not None:
                 await notice.ack.retry("the handler failed")
 
-    async with asyncio.TaskGroup() as group:
-        async for notice in notices:
-            group.create_task(guarded(notice), name=f"notice-{notice.id}")
+    try:
+        async with asyncio.TaskGroup() as group:
+            async for notice in notices:
+                group.create_task(guarded(notice), name=f"notice-{notice.id}")
+    finally:
+        await handler.close()  # the work a notice shares between its deliveries is shielded from their tasks
 
 
 async def startup_check(actions: NodeActions, settings: NodeSettings, ready: asyncio.Event) -> None:
@@ -60,8 +65,8 @@ async def startup_check(actions: NodeActions, settings: NodeSettings, ready: asy
                     raise ApiError(404, f"node {settings.node_name} not found")
             else:
                 await actions.list_nodes()
-        except ApiError as error:
-            log.warning("startup.api_not_ready", error=str(error))
+        except Exception as error:  # whatever it is, the agent waits for the API rather than stop
+            log.warning("startup.api_not_ready", error=str(error) if isinstance(error, ApiError) else repr(error))
             await asyncio.sleep(2)
             continue
         ready.set()
@@ -111,13 +116,16 @@ def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: Colle
     ).notices()
 
 
-async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None) -> int:
-    """Run the node agent until SIGTERM; returns the exit code."""
+async def run(
+    settings: NodeSettings, *, ready_flag: asyncio.Event | None = None, stop: asyncio.Event | None = None
+) -> int:
+    """Run the node agent until SIGTERM (or, when given, until ``stop`` is set); returns the exit code."""
     log_effective("node", settings)
     registry = CollectorRegistry()
     metrics = AgentMetrics.create(registry)
-    stop = asyncio.Event()
-    on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+    if stop is None:
+        stop = asyncio.Event()
+        on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
     ready = asyncio.Event()
 
     async def readiness() -> tuple[bool, str]:
@@ -125,11 +133,14 @@ async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None
 
     async with api_client(settings.kube.kubeconfig) as api, aiohttp.ClientSession() as http:
         limiter = RateLimiter(qps=settings.kube.qps, burst=settings.kube.burst)
-        actions: NodeActions = KubeActions(
-            api, limiter=limiter, on_error=lambda error: metrics.api_errors.labels(kind=error.kind).inc()
+        kube = KubeActions(
+            api,
+            limiter=limiter,
+            on_error=lambda error: metrics.api_errors.labels(kind=error.kind).inc(),
+            timeout_s=settings.kube.timeout_s,
         )
-        if settings.drain.dry_run:
-            actions = DryRunActions(actions)
+        progress = Progress(stall_s=settings.drain.progress_timeout_s)
+        actions: NodeActions = Watched(DryRunActions(kube) if settings.drain.dry_run else kube, progress)
         queue_mode = settings.queue_mode
         board = NoticeBoard(local_node=None if queue_mode else settings.node_name)
         agent_pod = (
@@ -149,11 +160,16 @@ async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None
             board=board,
             local_node=None if queue_mode else settings.node_name,
             index=NodeIndex(actions) if queue_mode else None,
+            progress=progress,
         )
         roles: list[Role] = [
             (
                 "probe_server",
-                serve(probe_app(registry, ready=readiness), host=settings.host, port=settings.metrics_port),
+                serve(
+                    probe_app(registry, ready=readiness, live=progress.live),
+                    host=settings.host,
+                    port=settings.metrics_port,
+                ),
             ),
             (
                 "notice_server",
@@ -166,7 +182,10 @@ async def run(settings: NodeSettings, *, ready_flag: asyncio.Event | None = None
         ]
         if not queue_mode:
             roles.append(("model_cache", model_cache(settings, actions, CacheMetrics.create(registry))))
-        ok = await Supervisor(stop).run(roles, one_shot={"startup_check", "model_cache"})
+        try:
+            ok = await Supervisor(stop).run(roles, one_shot={"startup_check", "model_cache"})
+        finally:
+            await kube.close()
     return 0 if ok else 1
 
 

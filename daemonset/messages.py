@@ -12,8 +12,8 @@ Bodies understood (any of them may also arrive wrapped in an SNS envelope, ``{"T
   ``Time``...), and the ``autoscaling:TEST_NOTIFICATION`` a hook sends when it is created.
 
 ``Ignored`` is a message that is understood and asks for nothing (a test notification, an instance launching or
-running, a Health event already closed); ``Invalid`` is one that cannot be used, with ``unknown`` set when it is not
-a kind of message known here.
+running); ``Invalid`` is one that cannot be used, with ``unknown`` set when it is not a kind of message known here.
+A closed Health event withdraws the notices its open one gave: the same eventArn gives the same ids.
 """
 
 from __future__ import annotations
@@ -196,8 +196,11 @@ def _health(event: _Event) -> Parsed:
     service, category = detail.get("service"), detail.get("eventTypeCategory")
     if service != "EC2" or category != "scheduledChange":
         return Ignored(f"AWS Health {_shown(category)} event for service {_shown(service)}")
-    if detail.get("statusCode") == "closed":
-        return Ignored("AWS Health event is closed")
+    # statusCode is upcoming, open or closed; a closed change is over or was cancelled, and what it marked is undone.
+    closed = detail.get("statusCode") == "closed"
+    arn = _text(detail.get("eventArn"))
+    if closed and arn is None:
+        return Ignored("closed AWS Health event without an eventArn: it names no notice to withdraw")
     instances = _affected_instances(detail.get("affectedEntities"))
     if not instances:
         return _lacks_instance(event.detail_type)
@@ -205,9 +208,9 @@ def _health(event: _Event) -> Parsed:
     deadline = event.time if start is None else _health_time(start)
     if deadline is None:
         return Invalid(f"AWS Health startTime {_shown(start)} is not a date")
-    arn = detail.get("eventArn")
-    # One scheduled change keeps its eventArn through its updates: the notices keep their ids.
-    return _notices(Kind.HEALTH_SCHEDULED_CHANGE, instances, deadline, detail=arn if isinstance(arn, str) else event.id)
+    # One scheduled change keeps its eventArn through its updates and its closing: the notices keep their ids.
+    detail_id = arn or event.id
+    return _notices(Kind.HEALTH_SCHEDULED_CHANGE, instances, deadline, detail=detail_id, withdrawn=closed)
 
 
 def _lifecycle(fields: Fields, *, at: datetime | None, asg_budget_s: float) -> Parsed:
@@ -233,11 +236,12 @@ def _lifecycle(fields: Fields, *, at: datetime | None, asg_budget_s: float) -> P
     return replace(_notices(Kind.ASG_TERMINATION, (instance,), deadline, detail=action.token), lifecycle=action)
 
 
-def _notices(kind: Kind, instances: tuple[str, ...], deadline: datetime, *, detail: str) -> Notices:
+def _notices(
+    kind: Kind, instances: tuple[str, ...], deadline: datetime, *, detail: str, withdrawn: bool = False
+) -> Notices:
     return Notices(
         tuple(
-            Notice(kind=kind, instance_id=instance, deadline=deadline, source=Source.SQS, detail=detail)
-            for instance in instances
+            Notice(kind, instance, deadline, Source.SQS, detail=detail, withdrawn=withdrawn) for instance in instances
         )
     )
 

@@ -8,7 +8,7 @@ from agent.metrics import CollectorRegistry, Counter, Histogram, zeroed
 from daemonset.notice import Kind, Source
 
 EVICTION_RESULTS = ("evicted", "gone", "gave_up", "failed")
-API_ERRORS = ("unreachable", "conflict", "throttled", "server", "client")
+API_ERRORS = ("timeout", "unreachable", "malformed", "conflict", "throttled", "server", "client")
 LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 3, 5, 10, 30)
 DRAIN_BUCKETS_S = (1, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 

@@ -7,22 +7,22 @@ limiter and API errors come out as ``ApiError`` (see agent.retry), so the handle
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import structlog
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent.clock import rfc3339, utcnow
 from agent.ratelimit import RateLimiter
-from agent.retry import ApiError, api_message, retry_after
+from agent.retry import ApiError, api_message
 from agent.settings import SettingsError
+from daemonset.kube_transport import DEFAULT_TIMEOUT_S, Transport
 from daemonset.planning import Node, Pod, instance_id_of
 
 log = structlog.get_logger()
-T = TypeVar("T")
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -40,30 +40,25 @@ class NodeActions(Protocol):
     async def event(self, node: Node, *, reason: str, message: str, warning: bool) -> None: ...
 
 
-def _api_error(error: ApiException) -> ApiError:
-    headers: Any = error.headers or {}
-    return ApiError(int(error.status or 0), str(error.reason), retry_after_s=retry_after(headers.get("Retry-After")))
-
-
 class KubeActions:
-    """The real calls. Reads go through the same limiter as writes."""
+    """The real calls. Reads go through the same limiter as writes; each call has ``timeout_s`` for its whole answer."""
 
-    def __init__(self, api: client.ApiClient, *, limiter: RateLimiter, on_error: Callable[[ApiError], None]) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        *,
+        limiter: RateLimiter,
+        on_error: Callable[[ApiError], None],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         # Typed as Any: every call passes plain dicts and reads raw JSON (_preload_content=False), not models.
         self.core: Any = client.CoreV1Api(api)
+        self.transport = Transport(api, timeout_s=timeout_s)
         self.limiter = limiter
         self.on_error = on_error
 
-    async def _call(self, make: Callable[[], Awaitable[T]]) -> T:
-        await self.limiter.acquire()
-        try:
-            return await make()
-        except ApiException as error:
-            failure = _api_error(error)
-        except (OSError, TimeoutError) as error:
-            failure = ApiError(0, f"{type(error).__name__}: {error}")
-        self.on_error(failure)
-        raise failure
+    async def close(self) -> None:
+        await self.transport.close()
 
     async def get_node(self, name: str) -> Node | None:
         try:
@@ -75,7 +70,7 @@ class KubeActions:
         return node
 
     async def list_nodes(self) -> list[Node]:
-        items: list[Node] = (await self._raw(lambda: self.core.list_node(_preload_content=False)))["items"]
+        items: list[Node] = await self._raw(lambda: self.core.list_node(_preload_content=False), items=True)
         return items
 
     async def patch_node(self, name: str, patch: dict[str, Any]) -> Node:
@@ -86,10 +81,9 @@ class KubeActions:
 
     async def pods_on(self, node: str) -> list[Pod]:
         selector = f"spec.nodeName={node}"
-        body = await self._raw(
-            lambda: self.core.list_pod_for_all_namespaces(field_selector=selector, _preload_content=False)
+        items: list[Pod] = await self._raw(
+            lambda: self.core.list_pod_for_all_namespaces(field_selector=selector, _preload_content=False), items=True
         )
-        items: list[Pod] = body["items"]
         return items
 
     async def evict(self, namespace: str, name: str, *, grace_s: int) -> None:
@@ -123,22 +117,36 @@ class KubeActions:
         }
         await self._raw(lambda: self.core.create_namespaced_event("default", body, _preload_content=False))
 
-    async def _raw(self, make: Callable[[], Awaitable[Any]]) -> Any:
+    async def _raw(self, make: Callable[[], Awaitable[Any]], *, items: bool = False) -> Any:
         """Call with ``_preload_content=False`` and decode the JSON ourselves: plain dicts, no model classes.
 
-        Without preloading, kubernetes-asyncio hands back error answers as they are: their status is checked here.
+        Without preloading, kubernetes-asyncio hands back error answers as they are: their status is checked here. A
+        2xx whose body is not the JSON object asked for (a proxy's HTML page, a cut-off answer) is a ``malformed``
+        ApiError, as transient as no answer at all. With ``items`` the object's ``items`` list is returned.
         """
-        response = await self._call(make)
-        async with response:
-            if not 200 <= response.status < 300:
-                failure = ApiError(
-                    response.status,
-                    api_message(await response.text()),
-                    retry_after_s=retry_after(response.headers.get("Retry-After")),
-                )
-                self.on_error(failure)
-                raise failure
-            return await response.json()
+        await self.limiter.acquire()
+        try:
+            answer = await self.transport.send(make)
+            if not 200 <= answer.status < 300:
+                text = answer.body.decode(errors="replace")
+                raise ApiError(answer.status, api_message(text), retry_after_s=answer.retry_after_s)
+            return _decoded(answer.status, answer.body, items=items)
+        except ApiError as error:
+            self.on_error(error)
+            raise
+
+
+def _decoded(status: int, body: bytes, *, items: bool) -> Any:
+    try:
+        decoded = json.loads(body)
+    except ValueError:  # UnicodeDecodeError included
+        decoded = None
+    if isinstance(decoded, dict) and not items:
+        return decoded
+    if isinstance(decoded, dict) and isinstance(decoded.get("items"), list):
+        return decoded["items"]
+    wanted = "a list object" if items else "a JSON object"
+    raise ApiError(status, f"answered with something other than {wanted}: {body[:80]!r}", failure="malformed")
 
 
 class DryRunActions:
@@ -172,7 +180,8 @@ class DryRunActions:
 
 
 class NodeIndex:
-    """Instance id to node name, from ``spec.providerID``; refreshed from a LIST when an id is not known.
+    """Instance id to node name, from ``spec.providerID``; refreshed from a LIST when an id is not known, or when the
+    handler found the named node gone or another instance's (``forget``).
 
     Lookups that arrive while a LIST is under way wait for it rather than start their own, and a miss right after
     a LIST does not list again (a burst of notices for instances that are not nodes must not flood the API).
@@ -195,6 +204,14 @@ class NodeIndex:
             if self._refreshing is not None:
                 await asyncio.shield(self._refreshing)
         return self.by_instance.get(instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        """The node found for ``instance_id`` is gone or another instance's: the next lookup lists the nodes again,
+        however recent the last list was."""
+        name = self.by_instance.pop(instance_id, None)
+        if name is not None:
+            self.listed.pop(name, None)
+        self._refreshed_at = None
 
     def take(self, name: str) -> Node | None:
         """The node as last listed, once: a second use could only be staler."""

@@ -72,9 +72,20 @@ class Notice:
     ack: Acknowledgement | None = field(default=None, compare=False, repr=False)
 
     @property
+    def reckoned(self) -> bool:
+        """The deadline is the agent's own reckoning from when it first saw the notice, not a time AWS stated: IMDS
+        ``target-lifecycle-state`` says only ``Terminated``. The node keeps the first deadline (see planning)."""
+        return self.source is Source.IMDS and self.kind is Kind.ASG_TERMINATION
+
+    @property
     def id(self) -> str:
-        """Deterministic: the same notice polled twice, or delivered twice, has the same id."""
-        key = "|".join((self.kind.value, self.instance_id, rfc3339(self.deadline), self.detail))
+        """Deterministic: the same notice polled twice, or delivered twice, has the same id.
+
+        An AWS Health event is named by its eventArn, which it keeps through its updates and its closing while its
+        startTime may move: the deadline is left out of its id, so a withdrawal carries the id it withdraws.
+        """
+        deadline = "" if self.kind is Kind.HEALTH_SCHEDULED_CHANGE else rfc3339(self.deadline)
+        key = "|".join((self.kind.value, self.instance_id, deadline, self.detail))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def public(self) -> dict[str, str]:

@@ -8,11 +8,11 @@ before the notice stays cordoned.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from agent.clock import rfc3339
+from agent.clock import parse_rfc3339, rfc3339
 from daemonset.notice import Notice
 
 TAINT_KEY = "spotdrain.io/interruption"
@@ -21,6 +21,9 @@ NOTICE_ID = "spotdrain.io/notice"
 ADDED = "spotdrain.io/added"
 MIRROR = "kubernetes.io/config.mirror"
 DEFAULT_GRACE_S = 30
+# The API server takes a grace period of 0 as an immediate deletion: no preStop, and a StatefulSet may start the
+# replacement while the old pod still runs. One second still runs the preStop and lets the kubelet stop it in order.
+MIN_GRACE_S = 1
 
 Node = dict[str, Any]
 Pod = dict[str, Any]
@@ -43,13 +46,57 @@ def marked_for(node: Node) -> str | None:
     return _annotations(node).get(NOTICE_ID)
 
 
+@dataclass(frozen=True)
+class Mark:
+    """What the node says it is marked for: a notice id, and the deadline of a definitive notice."""
+
+    notice_id: str
+    definitive: bool
+    deadline: datetime | None  # None for a recommendation, or a termination time that does not parse
+
+
+def mark_of(node: Node) -> Mark | None:
+    annotations = _annotations(node)
+    notice_id = annotations.get(NOTICE_ID)
+    if notice_id is None:
+        return None
+    recorded = annotations.get(TERMINATION_TIME)
+    try:
+        deadline = parse_rfc3339(recorded) if recorded is not None else None
+    except ValueError:
+        deadline = None
+    return Mark(notice_id=notice_id, definitive=recorded is not None, deadline=deadline)
+
+
+def outranks(notice: Notice, mark: Mark) -> bool:
+    """Whether ``notice`` replaces the mark on a node: a definitive notice outranks a recommendation, and an
+    earlier deadline a later one. A tie keeps the mark, and a recommendation never replaces anything."""
+    if not notice.kind.definitive:
+        return False
+    if not mark.definitive or mark.deadline is None:
+        return True
+    return notice.deadline < mark.deadline
+
+
+def resumed(node: Node, notice: Notice) -> Notice:
+    """``notice`` with the deadline the node was first marked with, where that deadline was the agent's own
+    reckoning (see ``Notice.reckoned``): an agent restarted later reckons a later one, which must not count."""
+    mark = mark_of(node)
+    if not notice.reckoned or mark is None or mark.deadline is None or mark.deadline >= notice.deadline:
+        return notice
+    first = replace(notice, deadline=mark.deadline)
+    return first if first.id == mark.notice_id else notice
+
+
 def plan_mark(node: Node, notice: Notice) -> dict[str, Any] | None:
-    """A JSON merge patch (guarded by resourceVersion) that marks ``node`` for ``notice``; None if it already is.
+    """A JSON merge patch (guarded by resourceVersion) that marks ``node`` for ``notice``; None if the node is
+    already marked for it or for a notice that outranks it (a weaker notice adds nothing).
 
     A definitive notice taints ``NoSchedule`` and cordons; a rebalance recommendation only taints
-    ``PreferNoSchedule``. A later, stronger notice replaces the taint of an earlier one.
+    ``PreferNoSchedule``. A stronger notice replaces the taint and the annotations of a weaker one.
     """
-    if marked_for(node) == notice.id:
+    mark = mark_of(node)
+    if mark is not None and not outranks(notice, mark):
         return None
     definitive = notice.kind.definitive
     taint = {"key": TAINT_KEY, "value": notice.kind.value, "effect": "NoSchedule" if definitive else "PreferNoSchedule"}
@@ -111,11 +158,12 @@ def skip_reason(pod: Pod, *, agent_pod: tuple[str, str] | None) -> str | None:
 
 
 def grace_for(pod: Pod, *, deadline: datetime, now: datetime, margin_s: float) -> int:
-    """The pod's own grace period, shortened so that it ends ``margin_s`` before the deadline."""
+    """The pod's own grace period, shortened so that it ends ``margin_s`` before the deadline; never under
+    ``MIN_GRACE_S``, however close the deadline (or if it has passed)."""
     own = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
     own_s = own if isinstance(own, int) and own >= 0 else DEFAULT_GRACE_S
     left_s = (deadline - now).total_seconds() - margin_s
-    return max(0, min(own_s, math.floor(left_s)))
+    return max(MIN_GRACE_S, min(own_s, math.floor(left_s)))
 
 
 def plan_drain(

@@ -34,6 +34,7 @@ class DrainSettings:
     margin_s: float
     eviction_delay_s: float
     heartbeat_s: float
+    progress_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class KubeSettings:
     kubeconfig: str | None
     qps: float
     burst: int
+    timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kubeconfig", aliases=("KUBECONFIG",), help="kubeconfig file (default: in-cluster)")
     add_flag(parser, "--api-qps", convert=float, default=10.0, help="Kubernetes API calls per second")
     add_flag(parser, "--api-burst", convert=positive_int, default=20, help="Kubernetes API calls in a burst")
+    add_flag(
+        parser,
+        "--api-timeout",
+        convert=seconds,
+        default=10.0,
+        help="seconds a Kubernetes API call has for its whole answer, then it is retried on a new connection",
+    )
     add_switch(parser, "--evict", default=True, help="evict the node's pods after tainting it")
     add_switch(parser, "--dry-run", default=False, help="log every change and make none")
     add_flag(
@@ -107,6 +116,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds between SQS/ASG heartbeats during a drain",
     )
+    add_flag(
+        parser,
+        "--progress-timeout",
+        convert=seconds,
+        default=60.0,
+        help="/livez fails once a notice in hand has made no progress for this many seconds",
+    )
     add_flag(parser, "--host", default="0.0.0.0", help="address for the metrics and notice endpoints")
     add_flag(parser, "--metrics-port", convert=port, default=8089, help="port for /metrics, /livez and /readyz")
     add_flag(parser, "--notice-port", convert=port, default=8090, help="port for GET /v1/notice")
@@ -122,6 +138,10 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
     require(args.api_qps > 0, "--api-qps must be above 0")
     require(args.sqs_wait_time <= 20, "--sqs-wait-time must be at most 20 seconds (the SQS limit)")
     require(args.heartbeat_interval > 0, "--heartbeat-interval must be above 0 seconds")
+    require(args.api_timeout > 0, "--api-timeout must be above 0 seconds")
+    require(args.progress_timeout > 0, "--progress-timeout must be above 0 seconds")
+    # The pause before evicting makes no call: liveness must outlast it.
+    require(args.progress_timeout > args.eviction_delay, "--progress-timeout must be longer than --eviction-delay")
     return NodeSettings(
         node_name=args.node_name,
         pod_name=args.pod_name,
@@ -141,8 +161,11 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
             margin_s=args.eviction_margin,
             eviction_delay_s=args.eviction_delay,
             heartbeat_s=args.heartbeat_interval,
+            progress_timeout_s=args.progress_timeout,
         ),
-        kube=KubeSettings(kubeconfig=args.kubeconfig, qps=args.api_qps, burst=args.api_burst),
+        kube=KubeSettings(
+            kubeconfig=args.kubeconfig, qps=args.api_qps, burst=args.api_burst, timeout_s=args.api_timeout
+        ),
         cache=cache_from_arguments(args),
         host=args.host,
         metrics_port=args.metrics_port,

@@ -36,6 +36,22 @@ def condition_patch(serving: bool, now: datetime) -> dict[str, Any]:
     }
 
 
+def error_kind(error: ApiError) -> str:
+    """The ``kind`` a failed patch is counted under: a refused token and a missing permission by name."""
+    return {401: "unauthorized", 403: "forbidden"}.get(error.status, error.kind)
+
+
+def remedy(kind: str, serviceaccount_dir: str) -> str:
+    """What the pod needs for the gate to work, for the error log."""
+    token = f"a service account token mounted in the sidecar at {serviceaccount_dir}"
+    needs = {
+        "no_token": f"{token} (spotdrain inject --readiness-gate adds a projected one, as deploy/vllm has)",
+        "unauthorized": f"{token} that the API server accepts",
+        "forbidden": "patch on pods/status in the pod's namespace for its service account (deploy/vllm/rbac.yaml)",
+    }
+    return needs.get(kind, "--pod-name and --pod-namespace naming this pod (POD_NAME, POD_NAMESPACE)")
+
+
 async def gate_keeper(
     session: aiohttp.ClientSession,
     cluster: InCluster,
@@ -45,24 +61,37 @@ async def gate_keeper(
     lifecycle: Lifecycle,
     metrics: SidecarMetrics,
 ) -> None:
-    """Sets the condition True, then False once a drain starts; retries each until it lands. Returns after False."""
+    """Sets the condition True, then False once a drain starts; retries each until it lands. Returns after False,
+    or as soon as the gate cannot work (no token, a token refused, no permission, no such pod): that is logged as
+    an error once and counted, and the pod stays un-Ready, since no retry would help."""
     path = f"/api/v1/namespaces/{namespace}/pods/{pod}/status"
+    where = str(cluster.token_path.parent)
 
-    async def apply(serving: bool) -> None:
+    def report(kind: str, error: str, **fields: object) -> None:
+        needs = remedy(kind, where)
+        log.error(
+            "pod.readiness_gate_failed", condition=CONDITION, pod=pod, kind=kind, error=error, needs=needs, **fields
+        )
+
+    async def apply(serving: bool) -> bool:
         try:
             await retrying(
                 lambda: patch(session, cluster, path, condition_patch(serving, utcnow())),
                 what="pod.readiness_gate",
                 forever=True,
-                on_error=lambda _: metrics.gate_errors.inc(),
+                on_error=lambda error: metrics.gate_errors.labels(kind=error_kind(error)).inc(),
             )
-        except ApiError as error:
-            # Permanent (RBAC, no such pod): restarting would not help; the pod stays un-Ready, which shows it.
-            log.error("pod.readiness_gate_failed", condition=CONDITION, status=serving, pod=pod, error=str(error))
-        else:
-            log.info("pod.readiness_gate_set", condition=CONDITION, status=serving, pod=pod)
+        except ApiError as error:  # permanent, and already counted
+            report(error_kind(error), str(error), status=serving)
+            return False
+        log.info("pod.readiness_gate_set", condition=CONDITION, status=serving, pod=pod)
+        return True
 
-    if not lifecycle.drain_asked.is_set():
-        await apply(True)
+    if missing := cluster.missing():
+        metrics.gate_errors.labels(kind="no_token").inc()
+        report("no_token", f"no service account credentials: {', '.join(missing)} missing")
+        return
+    if not lifecycle.drain_asked.is_set() and not await apply(True):
+        return
     await lifecycle.drain_asked.wait()
     await apply(False)

@@ -9,6 +9,7 @@ from sidecar.state import Outcome, Phase
 
 DRAIN_BUCKETS_S = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 110, 120, 180, 300, 600)
 READ_ERRORS = ("unreachable", "http", "missing", "malformed")
+GATE_ERRORS = ("no_token", "unauthorized", "forbidden", "unreachable", "conflict", "throttled", "server", "client")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class SidecarMetrics:
             ),
             gate_errors=Counter(
                 "spotdrain_sidecar_readiness_gate_errors",
-                "Failed patches of the pod's readiness gate condition",
+                "Failed patches of the pod's readiness gate condition, and a missing token",
+                ["kind"],
                 registry=registry,
             ),
             notice_errors=Counter(
@@ -66,6 +68,7 @@ class SidecarMetrics:
         zeroed(metrics.state, "state", [phase.value for phase in Phase])
         zeroed(metrics.drains, "outcome", [outcome.value for outcome in Outcome])
         zeroed(metrics.read_errors, "kind", READ_ERRORS)
+        zeroed(metrics.gate_errors, "kind", GATE_ERRORS)
         metrics.show(Phase.SERVING)
         return metrics
 

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ WsgiApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 class Call:
     action: str
     params: dict[str, Any]
+    at: float = field(default_factory=time.monotonic, compare=False)  # when it arrived, on the loop's clock
 
 
 @dataclass(frozen=True)

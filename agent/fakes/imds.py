@@ -45,6 +45,7 @@ CONTROL = frozenset(
         "set_delay",
         "expire_tokens",
         "set_token_ttl",
+        "answer_tokens_with",
         "request_counts",
     }
 )
@@ -81,6 +82,7 @@ class FakeImds:
         self.refused = 0  # GETs answered 401
         self._tokens: dict[str, float] = {}  # token -> monotonic expiry
         self._token_ttl_s: float | None = None
+        self._token_body: str | bytes | None = None
         self._failures: dict[str, list[tuple[int, int]]] = {}
         self._delay_s = 0.0
         self._lifecycle = lifecycle_state
@@ -156,6 +158,11 @@ class FakeImds:
         states the TTL asked for, so a client learns of the expiry only from a 401."""
         self._token_ttl_s = seconds
 
+    def answer_tokens_with(self, body: str | bytes | None) -> None:
+        """Answer token requests 200 with ``body`` instead of a token (None: tokens again), as a captive proxy or a
+        misrouted hop in front of IMDS does: an HTML login page, a JSON error, anything."""
+        self._token_body = body
+
     def request_counts(self) -> dict[str, int]:
         return dict(self.requests)
 
@@ -218,6 +225,9 @@ class FakeImds:
         status = self._injected(path)
         if status is not None:
             return web.Response(status=status, text=f"injected HTTP {status}")
+        if request.method == "PUT" and path == TOKEN_PATH and self._token_body is not None:
+            body = self._token_body
+            return web.Response(body=body.encode() if isinstance(body, str) else body, content_type="text/html")
         if request.method == "PUT":
             return self._issue(request) if path == TOKEN_PATH else web.Response(status=405)
         if not self._authorized(request):

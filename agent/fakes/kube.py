@@ -4,7 +4,9 @@ HTTPS with its own CA and a bearer token; clients connect through ``write_kubeco
 It serves nodes, pods (with ``/status`` and ``/eviction``), core and events.k8s.io events and policy/v1
 PodDisruptionBudgets: get, list with label and field selectors, create, replace, the three patch types, and graceful
 pod deletion that it finishes after the grace period, as a kubelet would. Watches are not served. Tests steer it with
-``latency_s``, ``fail_next`` and ``on_delete``, and read what clients asked in ``calls``.
+``latency_s``, ``fail_next``, ``on_delete`` and ``faults`` (hung requests, dropped connections, answers that are not
+JSON: see ``agent.fakes.faults``), and read what clients asked in ``calls``. ``token`` may do anything;
+``issue_token`` makes tokens that may not do some things (403), and any other token is refused (401).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 import secrets
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -27,7 +29,9 @@ from aiohttp import web
 
 from agent.clock import utcnow
 from agent.fakes import kube_objects
+from agent.fakes.faults import Faults
 from agent.fakes.kube_api import Api, DeleteHook, Deletion
+from agent.fakes.kube_auth import Accounts
 from agent.fakes.kube_select import KubeError, Obj, bad_request
 from agent.fakes.kube_store import EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store, route
 from agent.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
@@ -81,6 +85,7 @@ class FakeKube:
         now: Callable[[], datetime] = utcnow,
     ) -> None:
         self.token = token or secrets.token_urlsafe(32)
+        self.accounts = Accounts(self.token)
         self.latency_s = latency_s  # added to every call
         self.store = Store(now=now)
         self.api = Api(self.store, now=now)
@@ -92,6 +97,7 @@ class FakeKube:
         self._tls: TlsFiles | None = None
         self._runner: web.AppRunner | None = None
         self._faults: list[_Fault] = []
+        self.faults = Faults()
 
     # Lifecycle and client configuration ------------------------------------------------------------------------------
 
@@ -103,7 +109,7 @@ class FakeKube:
             directory = Path(self._temp.name)
         self._tls = write_tls_files(directory)
         app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
+        app.router.add_route("*", "/{tail:.*}", self.faults.wrap(self._handle))
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self._port, ssl_context=server_ssl_context(self._tls))
@@ -112,7 +118,8 @@ class FakeKube:
         log.info("kube.listening", url=self.url)
 
     async def stop(self) -> None:
-        """Stop serving, cancel pending pod removals and running deletion hooks."""
+        """Stop serving, cancel pending pod removals and running deletion hooks, end hung requests."""
+        self.faults.release()
         await self.api.close()
         if self._runner is not None:
             await asyncio.shield(self._runner.cleanup())
@@ -151,10 +158,16 @@ class FakeKube:
         path.write_text(json.dumps(config, indent=2))
         return path
 
-    def serviceaccount_dir(self, path: Path, *, namespace: str = "default") -> Path:
-        """Write ``token``, ``ca.crt`` and ``namespace`` as a pod's service account mount holds them."""
+    def issue_token(self, user: str, *, denied: Iterable[tuple[str, str]] = ()) -> str:
+        """A token for ``user`` (``system:serviceaccount:<namespace>:<name>``) that is refused with 403 each
+        (verb, resource) of ``denied``, e.g. ``("patch", "pods/status")``: a Role without that rule."""
+        return self.accounts.issue(user, denied=denied)
+
+    def serviceaccount_dir(self, path: Path, *, namespace: str = "default", token: str | None = None) -> Path:
+        """Write ``token`` (default: one that may do anything), ``ca.crt`` and ``namespace`` as a pod's service
+        account mount holds them."""
         path.mkdir(parents=True, exist_ok=True)
-        (path / "token").write_text(self.token)
+        (path / "token").write_text(token or self.token)
         (path / "ca.crt").write_bytes(self.ca_path.read_bytes())
         (path / "namespace").write_text(namespace)
         return path
@@ -178,6 +191,15 @@ class FakeKube:
             name, provider=provider_id, labels=labels, taints=taints, unschedulable=unschedulable, now=self._now()
         )
         return self.store.create(NODES, None, node)
+
+    def replace_node(self, name: str, *, provider_id: str) -> Obj:
+        """A new instance joins under the name of one that went: EKS names nodes after the private IP, which a new
+        instance can be given again. The old Node object and its pods are gone; the new one has a new uid and
+        ``providerID`` and none of the old one's taints, labels or annotations."""
+        self.store.remove(NODES, None, name)
+        for pod in self.pods(node=name):
+            self.store.remove(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"])
+        return self.add_node(name, provider_id=provider_id)
 
     def add_pod(
         self,
@@ -221,12 +243,27 @@ class FakeKube:
         selector: Mapping[str, str],
         min_available: int | str | None = None,
         max_unavailable: int | str | None = None,
+        unhealthy_pod_eviction_policy: str | None = None,
     ) -> Obj:
         """A PodDisruptionBudget whose ``selector`` is its matchLabels."""
         pdb = kube_objects.pdb(
-            namespace, name, selector=selector, min_available=min_available, max_unavailable=max_unavailable
+            namespace,
+            name,
+            selector=selector,
+            min_available=min_available,
+            max_unavailable=max_unavailable,
+            unhealthy_pod_eviction_policy=unhealthy_pod_eviction_policy,
         )
         return self.store.create(PDBS, namespace, pdb)
+
+    def set_containers_ready(self, namespace: str, name: str, ready: bool) -> Obj | None:
+        """Report the pod's readiness probes, as its kubelet would: ContainersReady, and Ready with the gates.
+
+        Returns the pod, or None when it is gone.
+        """
+        if (pod := self.store.find(PODS, namespace, name)) is None:
+            return None
+        return self.store.update(PODS, kube_objects.with_containers_ready(pod, ready, now=self._now()))
 
     def node(self, name: str) -> Obj:
         """The node; KeyError if there is none."""
@@ -294,10 +331,11 @@ class FakeKube:
         pattern = target.pattern if target else request.path
         self.calls.append(Call(request.method, request.path, pattern, dict(request.query)))
         try:
-            self._authenticate(request)
+            account = self.accounts.authenticate(request.headers.get("Authorization", ""))
             self._inject_fault(request)
             if target is None:
                 raise KubeError(404, "NotFound", "the server could not find the requested resource")
+            self.accounts.authorize(account, request.method, target, request.query)
             body = await _body(request) if request.method in ("POST", "PUT", "PATCH", "DELETE") else None
             status, answer = self.api.serve(
                 request.method, target, query=request.query, content_type=request.content_type, body=body
@@ -305,10 +343,6 @@ class FakeKube:
         except KubeError as error:
             return _status_response(error)
         return web.json_response(answer, status=status)
-
-    def _authenticate(self, request: web.Request) -> None:
-        if request.headers.get("Authorization", "") != f"Bearer {self.token}":
-            raise KubeError(401, "Unauthorized", "Unauthorized")
 
     def _inject_fault(self, request: web.Request) -> None:
         for fault in self._faults:

@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from agent.clock import rfc3339
-from agent.fakes.kube_objects import effective_grace
+from agent.fakes.kube_objects import effective_grace, with_ready_condition
 from agent.fakes.kube_patch import apply_patch
 from agent.fakes.kube_select import KubeError, Obj, bad_request
 from agent.fakes.kube_store import (
@@ -145,6 +145,8 @@ class Api:
         """Store ``new`` if its resourceVersion (when it has one) is the stored one; 409 Conflict otherwise."""
         expected = new.get("metadata", {}).get("resourceVersion") or None
         confined = confine(target.resource, target.subresource, self._stored(target), new)
+        if target.resource is PODS and target.subresource == "status":  # a readiness gate's condition moves Ready
+            confined = with_ready_condition(confined, now=self._now())
         return self.shown(self.store.update(target.resource, confined, expected_version=expected))
 
     def _delete(self, target: Target, query: Mapping[str, str], options: Obj) -> Obj:

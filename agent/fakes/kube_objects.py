@@ -64,7 +64,11 @@ def pod(
     readiness_gates: Sequence[str],
     now: datetime,
 ) -> Obj:
-    """A scheduled pod; a mirror pod (a static pod's copy) carries the kubelet's annotations and the node as owner."""
+    """A scheduled pod; a mirror pod (a static pod's copy) carries the kubelet's annotations and the node as owner.
+
+    ``ready`` is what its containers' readiness probes say; with ``readiness_gates`` the pod is Ready only once
+    something sets those conditions True through ``pods/status``.
+    """
     meta: Obj = {"name": name, "namespace": namespace, "labels": dict(labels or {})}
     meta["annotations"] = dict(annotations or {})
     if mirror:
@@ -86,7 +90,9 @@ def pod(
     }
     if readiness_gates:
         spec["readinessGates"] = [{"conditionType": gate} for gate in readiness_gates]
-    return {"metadata": meta, "spec": spec, "status": _pod_status(phase=phase, ready=ready, now=now)}
+    return with_ready_condition(
+        {"metadata": meta, "spec": spec, "status": _pod_status(phase=phase, ready=ready, now=now)}, now=now
+    )
 
 
 def pdb(
@@ -96,13 +102,77 @@ def pdb(
     selector: Mapping[str, str],
     min_available: int | str | None,
     max_unavailable: int | str | None,
+    unhealthy_pod_eviction_policy: str | None = None,
 ) -> Obj:
+    """A budget; ``unhealthy_pod_eviction_policy``: ``IfHealthyBudget`` (what unset means) or ``AlwaysAllow``."""
     spec: Obj = {"selector": {"matchLabels": dict(selector)}}
     if min_available is not None:
         spec["minAvailable"] = min_available
     if max_unavailable is not None:
         spec["maxUnavailable"] = max_unavailable
+    if unhealthy_pod_eviction_policy is not None:
+        spec["unhealthyPodEvictionPolicy"] = unhealthy_pod_eviction_policy
     return {"metadata": {"name": name, "namespace": namespace, "generation": 1}, "spec": spec}
+
+
+# Pod readiness, as the kubelet computes it -------------------------------------------------------------------------
+#
+# The fake has no kubelet of its own: tests and the simulation report the containers' readiness probes through
+# ``with_containers_ready`` (FakeKube.set_containers_ready), and every write to a pod's status recomputes Ready from
+# ContainersReady and the readiness gates' conditions, as the kubelet's status manager does when it next syncs the pod.
+
+
+def with_containers_ready(pod: Obj, ready: bool, *, now: datetime) -> Obj:
+    """``pod`` with ContainersReady set as its readiness probes answered, and Ready recomputed."""
+    names = [str(c.get("name")) for c in pod.get("spec", {}).get("containers") or []]
+    condition: Obj = {"type": "ContainersReady", "status": "True" if ready else "False"}
+    if not ready:
+        condition |= {"reason": "ContainersNotReady", "message": f"containers with unready status: [{' '.join(names)}]"}
+    return with_ready_condition(_set_condition(pod, condition, now=now), now=now)
+
+
+def ready_condition(pod: Obj) -> Obj:
+    """The Ready condition the kubelet derives (pkg/kubelet/status/generate.go, GeneratePodReadyCondition).
+
+    While ContainersReady is not True, Ready has its status, reason and message. Otherwise Ready is False while the
+    condition of any ``spec.readinessGates`` entry is missing or not True, with the kubelet's own messages (the first
+    is what ``kubectl describe`` shows a pod whose sidecar never patched its gate), and True once all are.
+    """
+    conditions = {c.get("type"): c for c in pod.get("status", {}).get("conditions") or []}
+    containers = conditions.get("ContainersReady") or {"status": "False", "reason": "ContainersNotReady"}
+    if containers.get("status") != "True":
+        return {"type": "Ready"} | {k: containers[k] for k in ("status", "reason", "message") if k in containers}
+    unready = []
+    for gate in pod.get("spec", {}).get("readinessGates") or []:
+        kind = gate.get("conditionType")
+        if (found := conditions.get(kind)) is None:
+            unready.append(f'corresponding condition of pod readiness gate "{kind}" does not exist.')
+        elif found.get("status") != "True":
+            unready.append(f'the status of pod readiness gate "{kind}" is not "True", but {found.get("status")}')
+    if unready:
+        return {"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady", "message": ", ".join(unready)}
+    return {"type": "Ready", "status": "True"}
+
+
+def with_ready_condition(pod: Obj, *, now: datetime) -> Obj:
+    """``pod`` with its Ready condition recomputed (``lastTransitionTime`` moves only when the status changes)."""
+    return _set_condition(pod, ready_condition(pod), now=now)
+
+
+def _set_condition(pod: Obj, condition: Obj, *, now: datetime) -> Obj:
+    conditions = pod.setdefault("status", {}).setdefault("conditions", [])
+    old = next((c for c in conditions if c.get("type") == condition["type"]), None)
+    if old is not None and old.get("status") == condition["status"]:
+        since = old.get("lastTransitionTime")
+    else:
+        since = _time(now)
+    new = {"type": condition["type"], "status": condition["status"], "lastProbeTime": None, "lastTransitionTime": since}
+    new |= {k: condition[k] for k in ("reason", "message") if k in condition}
+    if old is None:
+        conditions.append(new)
+    else:
+        conditions[conditions.index(old)] = new
+    return pod
 
 
 def effective_grace(pod: Obj, requested: int | None) -> int:

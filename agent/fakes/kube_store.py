@@ -204,7 +204,13 @@ def pdb_status(pdb: Obj, budget: Budget) -> Obj:
 def eviction_refusal(pod: Obj, *, pdbs: Iterable[Obj], pods: Iterable[Obj]) -> KubeError | None:
     """Why the eviction API would refuse to evict ``pod`` now, or None; ``pods`` are those of its namespace.
 
-    Terminal, pending and terminating pods are never held; an unready pod is let go while the budget is met.
+    The API server's rule (pkg/registry/core/pod/storage/eviction.go, ``Create`` and ``checkAndDecrement``):
+    terminal, pending and terminating pods are never held (``canIgnorePDB``). A pod that is not Ready goes when its
+    budget says ``unhealthyPodEvictionPolicy: AlwaysAllow``, or, under the default ``IfHealthyBudget``, when
+    ``currentHealthy >= desiredHealthy && desiredHealthy > 0``. Any other pod needs ``disruptionsAllowed > 0`` (the
+    eviction uses one up: here the evicted pod's ``deletionTimestamp`` takes it out of ``currentHealthy``). Else 429
+    with the server's message and cause, and no Retry-After (``NewTooManyRequests(..., 0)``). The budget's status is
+    computed afresh here, where the real one is the disruption controller's and can lag behind the pods.
     """
     phase = pod.get("status", {}).get("phase")
     if phase in ("Succeeded", "Failed", "Pending") or pod["metadata"].get("deletionTimestamp"):

@@ -89,7 +89,14 @@ class Cluster:
             self.kube.add_pod(
                 NAMESPACE, name, node=NODE, labels=LABELS, owner_kind="ReplicaSet", grace_period_s=self.timings.grace_s
             )
-        self.kube.add_pdb(NAMESPACE, "vllm", selector=LABELS, max_unavailable=self.scenario.max_unavailable)
+        policy = "AlwaysAllow" if self.scenario.always_allow else None
+        self.kube.add_pdb(
+            NAMESPACE,
+            "vllm",
+            selector=LABELS,
+            max_unavailable=self.scenario.max_unavailable,
+            unhealthy_pod_eviction_policy=policy,
+        )
 
     def port(self) -> int:
         """A free port no other part of this run has been given (the kernel can hand out a free port twice)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.fakes.kube import FakeKube
+from agent.fakes.kube_store import pod_ready
 from agent.simulation.procs import Proc
 from agent.simulation.timeline import Kind, Recorder
 
@@ -48,6 +49,13 @@ class Kubelet:
         self.pods[pod.name] = pod
         self._spawn(self._exits(pod), name=f"exits-{pod.name}")
 
+    def probed(self, name: str, ready: bool) -> None:
+        """A readiness probe of ``name`` changed its answer (the engine's probe is the sidecar's ``/ready``): the
+        pod's ContainersReady, and so its Ready condition, follow, as its disruption budget sees them."""
+        pod = self.pods.get(name)
+        if pod is not None and not pod.removed:
+            self.kube.set_containers_ready(self.namespace, name, ready)
+
     def on_delete(self, obj: dict[str, Any], grace_s: int) -> None:
         """The fake API's deletion hook: a pod's deletion started, or its grace period was shortened."""
         pod = self.pods.get(obj["metadata"]["name"])
@@ -59,7 +67,9 @@ class Kubelet:
             return
         evicted = any(d.eviction for d in self.kube.deletions if d.name == pod.name)
         how = "evicted" if evicted else "deleted"
-        self.recorder.record(Kind.EVICTED, pod.name, f"{how}, grace period {grace_s} s", pod=pod.name, grace_s=grace_s)
+        ready = pod_ready(obj)
+        text = f"{how} ({'Ready' if ready else 'not Ready'}), grace period {grace_s} s"
+        self.recorder.record(Kind.EVICTED, pod.name, text, pod=pod.name, grace_s=grace_s, ready=ready)
         self._spawn(self._terminate(pod, grace_s), name=f"terminate-{pod.name}")
 
     async def _terminate(self, pod: Pod, grace_s: int) -> None:

@@ -9,6 +9,7 @@ the ``X-Spotdrain-Pod`` header.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -33,10 +34,18 @@ class Backend:
 
 
 class Router:
-    def __init__(self, backends: list[Backend], recorder: Recorder, *, poll_s: float) -> None:
+    def __init__(
+        self,
+        backends: list[Backend],
+        recorder: Recorder,
+        *,
+        poll_s: float,
+        on_change: Callable[[str, bool], None] = lambda name, ready: None,
+    ) -> None:
         self.backends = backends
         self.recorder = recorder
         self.poll_s = poll_s
+        self.on_change = on_change  # a pod's /ready changed: (name, ready)
         self.routed = 0
         self.refused = 0
         self.rerouted = 0  # routed while another pod had already left rotation
@@ -98,6 +107,7 @@ class Router:
         if ready == backend.ready:
             return
         backend.ready = ready
+        self.on_change(backend.name, ready)
         if ready:
             backend.was_ready = True
             if all(b.ready for b in self.backends):

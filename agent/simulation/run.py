@@ -5,6 +5,7 @@ the node empty (or the deadline pass), and judge what was recorded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ async def simulate(
 ) -> RunResult:
     """Play the scenario once; returns what happened and the verdict. Raises TimeoutError if the run hangs."""
     scenario = SCENARIOS[settings.scenario]
+    if scenario.pods is not None:
+        settings = dataclasses.replace(settings, pods=scenario.pods)
     seen = _Seen()
 
     def observe(event: Event) -> None:
@@ -162,7 +165,7 @@ async def _route(cluster: Cluster, recorder: Recorder, tasks: _Tasks, *, poll_s:
         Backend(pod.name, f"http://127.0.0.1:{pod.engine_port}", f"http://127.0.0.1:{pod.sidecar_port}/ready")
         for pod in cluster.kubelet.pods.values()
     ]
-    router = Router(backends, recorder, poll_s=poll_s)
+    router = Router(backends, recorder, poll_s=poll_s, on_change=cluster.kubelet.probed)
     port = cluster.port()
     tasks.start(router.serve(port=port), "router")
     await asyncio.wait_for(router.all_ready.wait(), STARTUP_S)

@@ -38,6 +38,8 @@ class Scenario:
     checks: Checks
     restart_agent: bool = False
     via_sqs: bool = False
+    always_allow: bool = True  # the budget says unhealthyPodEvictionPolicy: AlwaysAllow, as deploy/ ships it
+    pods: int | None = None  # the scenario's own number of pods, whatever --pods says
 
 
 def stream_seconds(
@@ -97,6 +99,25 @@ def _long_streams(s: Summary) -> list[Check]:
         _check("short streams still complete", s.completed > 0, f"{s.completed} completed intact"),
         _all_gone(s),
     ]
+
+
+def _shipped_budget(s: Summary) -> list[Check]:
+    ready = [p.name for p in s.pods if p.ready_when_evicted is not False]
+    evicted = sum(p.evicted_at is not None for p in s.pods)
+    return [
+        _check(
+            "every pod unready when evicted",
+            not ready,
+            f"Ready (or never evicted): {', '.join(ready)}" if ready else "the budget counted each one unhealthy",
+        ),
+        _check("AlwaysAllow evicts them all", evicted == len(s.pods), f"{evicted} of {len(s.pods)} evicted"),
+        _none_cut(s),
+        _check("node empty before the deadline", s.spare_s is not None and s.spare_s > 0, _spare(s)),
+    ]
+
+
+def _spare(s: Summary) -> str:
+    return "no" if s.spare_s is None else f"{s.spare_s:.1f} s to spare"
 
 
 def _pdb_blocks(s: Summary) -> list[Check]:
@@ -160,12 +181,23 @@ SCENARIOS: dict[str, Scenario] = {
             _long_streams,
         ),
         Scenario(
+            "shipped-budget",
+            "Spot interruption; two pods of one budget on the node, as deploy/vllm ships them (maxUnavailable: 1, "
+            "unhealthyPodEvictionPolicy: AlwaysAllow)",
+            "both pods are unready when evicted (their sidecars took them out of rotation), and both are evicted",
+            Profile.SHORT,
+            1,
+            _shipped_budget,
+            pods=2,
+        ),
+        Scenario(
             "pdb-blocks",
-            "Spot interruption; a PodDisruptionBudget (maxUnavailable: 0) refuses every eviction",
+            "Spot interruption; a PodDisruptionBudget (maxUnavailable: 0, no AlwaysAllow) refuses every eviction",
             "the 429s are retried and reported, the pods go with the instance, and still no stream is cut",
             Profile.SHORT,
             0,
             _pdb_blocks,
+            always_allow=False,
         ),
         Scenario(
             "agent-restart",

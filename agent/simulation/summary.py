@@ -34,6 +34,7 @@ class PodSummary:
     last_stream_to_exit_s: float | None
     cut_reported: int | None  # the sidecar's own count; None if it never finished its drain
     cut_by_engine: int | None  # the engine's own count; None if it was killed
+    ready_when_evicted: bool | None  # the pod's Ready condition in the API at its eviction; None: never evicted
 
     @property
     def out_before_eviction(self) -> bool | None:
@@ -93,6 +94,11 @@ def _count(event: Event | None, key: str) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _flag(event: Event | None, key: str) -> bool | None:
+    value = None if event is None else event.data.get(key)
+    return value if isinstance(value, bool) else None
+
+
 def pod_summary(
     name: str, events: Sequence[Event], streams: Sequence[StreamRecord], notice_at: float | None
 ) -> PodSummary:
@@ -114,6 +120,7 @@ def pod_summary(
         last_stream_to_exit_s=_since(_at(exited), last_end),
         cut_reported=_count(_first(events, Kind.DRAINED, name), "streams_cut"),
         cut_by_engine=_count(exited, "cut"),
+        ready_when_evicted=_flag(_first(events, Kind.EVICTED, name), "ready"),
     )
 
 

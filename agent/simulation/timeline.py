@@ -26,7 +26,7 @@ class Kind(enum.StrEnum):
     DRAINED = "drained"  # the sidecar's drain ended; data: outcome, streams_cut
     EVICTION_BLOCKED = "eviction_blocked"  # 429 from a PodDisruptionBudget, to be retried
     EVICTION_FAILED = "eviction_failed"  # the agent gave up on it
-    EVICTED = "evicted"  # the pod's deletion began; data: grace_s
+    EVICTED = "evicted"  # the pod's deletion began; data: grace_s, ready (its Ready condition then)
     PRESTOP_RETURNED = "prestop_returned"
     ENGINE_EXITED = "engine_exited"  # data: code, cut (the engine's own count, None if it was killed)
     SIDECAR_EXITED = "sidecar_exited"

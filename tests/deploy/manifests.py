@@ -21,6 +21,8 @@ import pytest
 import yaml
 
 from agent.cli import COMMANDS, build_parser
+from agent.fakes.kube import Call
+from agent.fakes.kube_store import route
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -75,6 +77,46 @@ def render(directory: str) -> list[Obj]:
 
 def named(objects: Iterable[Obj], kind: str, name: str | None = None) -> list[Obj]:
     return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+# RBAC ----------------------------------------------------------------------------------------------------------------
+
+Grant = tuple[str, str, str, str | None]  # (API group, resource[/subresource], verb, namespace; None = cluster-wide)
+_VERBS = {"PATCH": "patch", "POST": "create", "PUT": "update", "DELETE": "delete"}
+
+
+def grants(objects: list[Obj], namespace: str, account: str) -> set[Grant]:
+    """Every (group, resource, verb, namespace) the service account is granted by the bindings in ``objects``."""
+    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects}
+    granted: set[Grant] = set()
+    for binding in named(objects, "ClusterRoleBinding") + named(objects, "RoleBinding"):
+        subjects = binding.get("subjects", [])
+        if not any(
+            s["kind"] == "ServiceAccount" and (s.get("namespace"), s["name"]) == (namespace, account) for s in subjects
+        ):
+            continue
+        ref = binding["roleRef"]
+        scope = binding["metadata"].get("namespace")
+        role = roles.get((ref["kind"], None if ref["kind"] == "ClusterRole" else scope, ref["name"]))
+        for rule in role["rules"] if role else []:  # a binding to a role that is not there grants nothing
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    granted |= {(group, resource, verb, scope) for verb in rule["verbs"]}
+    return granted
+
+
+def needed(calls: Iterable[Call], granted: set[Grant]) -> set[Grant]:
+    """The grants the API calls a fake API server recorded needed: a call in a namespace is counted as needing the
+    cluster-wide grant unless that namespace's grant is there (then the role may stay namespaced)."""
+    result: set[Grant] = set()
+    for call in calls:
+        target = route(call.path)
+        assert target is not None, f"not an API path: {call.path}"
+        verb = ("get" if target.name else "list") if call.method == "GET" else _VERBS[call.method]
+        resource = target.resource.plural + (f"/{target.subresource}" if target.subresource else "")
+        grant = (target.resource.group, resource, verb, target.namespace)
+        result.add(grant if grant in granted else (*grant[:3], None))
+    return result
 
 
 def one(objects: Iterable[Obj], kind: str, name: str) -> Obj:

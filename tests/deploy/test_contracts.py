@@ -19,7 +19,7 @@ from tests.deploy.manifests import (
     DEPLOY,
     ROOT,
     Invocation,
-    Obj,
+    grants,
     have_kubectl,
     invocations,
     kustomizations,
@@ -39,16 +39,19 @@ CORE_CALLS = {
     "create_namespaced_pod_eviction": ("pods/eviction", "create"),
     "create_namespaced_event": ("events", "create"),
 }
-# What the node agent's account may do: (API group, resource, verb, namespace; None = cluster-wide).
+# What each account may do, (API group, resource, verb, namespace; None = cluster-wide), by what the agent calls:
+# its own node read and patched, Events written (every mode); pods listed and evicted (unless --no-evict); nodes
+# listed to map instances to nodes (queue mode only). The integration tests check these against the calls made.
+MARK = {("", "nodes", "get", None), ("", "nodes", "patch", None), ("", "events", "create", "default")}
+DRAIN = {("", "pods", "list", None), ("", "pods/eviction", "create", None)}
+LOOKUP = {("", "nodes", "list", None)}
 AGENT_RBAC = {
-    ("", "nodes", "get", None),
-    ("", "nodes", "list", None),
-    ("", "nodes", "patch", None),
-    ("", "pods", "list", None),
-    ("", "pods/eviction", "create", None),
-    ("", "events", "create", "default"),
+    ("agent", "spotdrain-node"): MARK | DRAIN,  # IMDS mode
+    ("overlays/imds-mode", "spotdrain-node"): MARK | DRAIN,
+    ("overlays/karpenter-interruption", "spotdrain-node"): MARK,  # --no-evict: Karpenter evicts
+    ("overlays/queue-mode", "spotdrain-node"): MARK,  # --no-evict: the queue Deployment evicts
+    ("overlays/queue-mode", "spotdrain-queue"): MARK | DRAIN | LOOKUP,
 }
-AGENT_ACCOUNTS = (("agent", "spotdrain-node"), ("overlays/queue-mode", "spotdrain-queue"))
 METRIC = re.compile(r"\bspotdrain_[a-z0-9_]*[a-z0-9]\b")  # not a wildcard such as spotdrain_sidecar_*
 MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
 SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
@@ -65,42 +68,27 @@ def _core_calls_in(paths: list[Path]) -> dict[str, set[str]]:
     return calls
 
 
-def _grants(objects: list[Obj], namespace: str, account: str) -> set[tuple[str, str, str, str | None]]:
-    """Every (group, resource, verb, namespace) the service account is granted by the bindings in ``objects``."""
-    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects}
-    grants = set()
-    for binding in named(objects, "ClusterRoleBinding") + named(objects, "RoleBinding"):
-        subjects = binding.get("subjects", [])
-        if not any(
-            s["kind"] == "ServiceAccount" and (s.get("namespace"), s["name"]) == (namespace, account) for s in subjects
-        ):
-            continue
-        ref = binding["roleRef"]
-        scope = binding["metadata"].get("namespace")
-        role = roles[(ref["kind"], None if ref["kind"] == "ClusterRole" else scope, ref["name"])]
-        for rule in role["rules"]:
-            for group in rule["apiGroups"]:
-                for resource in rule["resources"]:
-                    grants |= {(group, resource, verb, scope) for verb in rule["verbs"]}
-    return grants
-
-
 def test_every_kubernetes_call_of_the_agent_is_known_and_granted() -> None:
     calls = _core_calls_in(sorted((ROOT / "daemonset").glob("*.py")))
     unknown = {method: files for method, files in calls.items() if method not in CORE_CALLS}
-    assert unknown == {}, "a new Kubernetes call: add it to CORE_CALLS, AGENT_RBAC and deploy/agent/rbac.yaml"
-    assert {CORE_CALLS[method] for method in calls} == {(r, v) for _, r, v, _ in AGENT_RBAC}
+    assert unknown == {}, "a new Kubernetes call: add it to CORE_CALLS, AGENT_RBAC and the agents' RBAC"
+    assert {CORE_CALLS[method] for method in calls} == {(r, v) for each in AGENT_RBAC.values() for _, r, v, _ in each}
 
 
 def test_events_are_created_in_the_namespace_the_role_grants() -> None:
     source = (ROOT / "daemonset" / "nodes.py").read_text()
     namespaces = set(re.findall(r'create_namespaced_event\(\s*"([\w-]+)"', source))
-    assert namespaces == {ns for _, resource, _, ns in AGENT_RBAC if resource == "events"}
+    assert namespaces == {ns for _, resource, _, ns in MARK if resource == "events"}
 
 
-@pytest.mark.parametrize(("directory", "account"), AGENT_ACCOUNTS)
-def test_the_agents_account_gets_exactly_what_it_calls(directory: str, account: str) -> None:
-    assert _grants(render(directory), "spotdrain", account) == AGENT_RBAC
+@pytest.mark.parametrize(("directory", "account"), list(AGENT_RBAC))
+def test_each_agents_account_gets_exactly_what_its_mode_calls(directory: str, account: str) -> None:
+    assert grants(render(directory), "spotdrain", account) == AGENT_RBAC[(directory, account)]
+
+
+def test_the_daemonset_may_not_list_nodes_in_any_kustomization() -> None:
+    for directory in kustomizations():
+        assert ("", "nodes", "list", None) not in grants(render(directory), "spotdrain", "spotdrain-node"), directory
 
 
 @pytest.mark.parametrize("directory", ["vllm", "kuberay"])
@@ -112,8 +100,8 @@ def test_inference_pods_may_patch_their_status_and_nothing_else(directory: str) 
     for template in pod_templates(objects):
         if not template.spec.get("readinessGates"):
             continue
-        grants = _grants(objects, str(template.namespace), template.spec["serviceAccountName"])
-        assert grants == {("", "pods/status", "patch", template.namespace)}, template.name
+        granted = grants(objects, str(template.namespace), template.spec["serviceAccountName"])
+        assert granted == {("", "pods/status", "patch", template.namespace)}, template.name
 
 
 @pytest.mark.parametrize("directory", kustomizations())

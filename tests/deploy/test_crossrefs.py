@@ -91,6 +91,13 @@ def test_disruption_budgets_select_pods(directory: str) -> None:
 
 
 @pytest.mark.parametrize("directory", COMPOSED)
+def test_disruption_budgets_let_pods_the_sidecar_took_out_of_rotation_be_evicted(directory: str) -> None:
+    # A draining pod is not Ready before its eviction; only AlwaysAllow evicts it whatever the other replicas do.
+    for budget in named(render(directory), "PodDisruptionBudget"):
+        assert budget["spec"].get("unhealthyPodEvictionPolicy") == "AlwaysAllow", budget["metadata"]["name"]
+
+
+@pytest.mark.parametrize("directory", COMPOSED)
 def test_pod_monitors_select_pods_that_expose_their_ports(directory: str) -> None:
     objects = render(directory)
     for monitor in named(objects, "PodMonitor"):

@@ -285,6 +285,40 @@ def test_readiness_gate_adds_the_condition_and_the_pods_identity(
     assert spec["readinessGates"] == [{"conditionType": "spotdrain.io/serving"}]
 
 
+@pytest.mark.parametrize("text", [VLLM, RAY], ids=["deployment", "raycluster"])
+def test_readiness_gate_mounts_the_accounts_token_in_the_sidecar_alone(
+    text: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _inject(text, readiness_gate=True)
+    settings, spec = _sidecar(out, monkeypatch, capsys)
+    token_dir = str(settings.gate.serviceaccount_dir)
+    mounting = {
+        c["name"]: m["name"]
+        for c in spec["containers"]
+        for m in c.get("volumeMounts", [])
+        if m["mountPath"] == token_dir
+    }
+    assert list(mounting) == ["spotdrain"]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mounting["spotdrain"]]
+    sources = volume["projected"]["sources"]
+    assert sources[0]["serviceAccountToken"]["path"] == "token"
+    assert sources[1]["configMap"] == {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    namespace = {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert sources[2]["downwardAPI"]["items"] == [namespace]
+    assert schema_errors(next(yaml.safe_load_all(out))) == []
+    assert _inject(out, readiness_gate=True) == out
+
+
+def test_without_the_gate_no_token_is_mounted() -> None:
+    assert "serviceaccount" not in _inject(VLLM)
+
+
+def test_a_volume_of_the_users_under_the_token_volumes_name_is_refused() -> None:
+    text = VLLM + "      volumes:\n        - name: spotdrain-token\n          emptyDir: {}\n"
+    with pytest.raises(InjectError, match="spotdrain-token"):
+        _inject(text, readiness_gate=True)
+
+
 def test_no_notice_url_means_no_host_ip(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     settings, spec = _sidecar(_inject(VLLM, notice_url=None), monkeypatch, capsys)
     assert settings.drain.notice_url is None
@@ -309,6 +343,44 @@ def test_the_command_reads_a_file_and_reports_what_it_changed(
     assert code == 0
     assert out == _inject(CONFIG_MAP + "---\n" + VLLM, drain_timeout_s=60.0)
     assert "Deployment default/vllm spec.template.spec" in err
+
+
+BUDGET = """\
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: vllm
+  namespace: default
+spec:
+  maxUnavailable: 1
+  selector:
+    matchLabels: {app: vllm}
+"""
+
+
+def test_a_budget_without_always_allow_is_named_in_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "app.yaml"
+    path.write_text(VLLM + "---\n" + BUDGET)
+    code, out, err = _run(capsys, "-f", str(path))
+    assert code == 0
+    assert out.endswith(BUDGET), "the budget itself is left as the user wrote it"
+    warning = "warning: PodDisruptionBudget default/vllm has no unhealthyPodEvictionPolicy: AlwaysAllow"
+    assert warning in err
+    path.write_text(VLLM + "---\n" + BUDGET + "  unhealthyPodEvictionPolicy: AlwaysAllow\n")
+    code, _, err = _run(capsys, "-f", str(path))
+    assert (code, "warning" in err, "note" in err) == (0, False, False)
+
+
+def test_a_workload_given_the_sidecar_comes_with_a_note_on_budgets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "app.yaml"
+    path.write_text(VLLM)
+    code, _, err = _run(capsys, "-f", str(path))
+    assert code == 0
+    assert "note: a PodDisruptionBudget over these pods needs unhealthyPodEvictionPolicy: AlwaysAllow" in err
 
 
 def test_the_command_reads_standard_input(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

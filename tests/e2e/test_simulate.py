@@ -51,6 +51,15 @@ async def test_long_streams_are_cut_and_the_sidecars_report_as_many_as_the_clien
     assert s.completed > 0
 
 
+async def test_the_shipped_budget_lets_both_unready_pods_of_the_node_be_evicted(tmp_path: Path) -> None:
+    result = await play("shipped-budget", tmp_path)
+    s = result.summary
+    assert result.passed
+    assert [p.ready_when_evicted for p in s.pods] == [False, False]
+    assert (s.evictions, s.evictions_given_up, s.reclaimed) == (2, 0, 0)
+    assert s.cut == 0
+
+
 async def test_a_blocking_budget_is_retried_until_the_deadline_and_the_pods_go_with_the_instance(
     tmp_path: Path,
 ) -> None:

@@ -34,12 +34,35 @@ SIZE = 300 * 1024 * 1024  # mkfs.xfs wants at least 300 MB
 NODE = "gpu-1"
 PENDING = {"key": PENDING_TAINT, "effect": "NoSchedule"}
 
+# The package of each tool these tests run (the code under test runs mkfs, wipefs and mdadm from PATH too).
+PACKAGES = {
+    "losetup": "util-linux",
+    "blkid": "util-linux",
+    "findmnt": "util-linux",
+    "wipefs": "util-linux",
+    "mount": "mount",
+    "umount": "mount",
+    "mkfs.xfs": "xfsprogs",
+    "mkfs.ext4": "e2fsprogs",
+    "mdadm": "mdadm",
+}
+
+
+def _missing(*tools: str) -> list[str]:
+    return [f"{tool} ({PACKAGES[tool]})" for tool in tools if shutil.which(tool) is None]
+
+
+def needs(*tools: str) -> pytest.MarkDecorator:
+    """Skip, naming what is missing, unless every one of ``tools`` is on PATH."""
+    missing = _missing(*tools)
+    return pytest.mark.skipif(bool(missing), reason=f"not on PATH: {', '.join(missing)}")
+
+
+_LOOP_MISSING = (["root"] if os.geteuid() != 0 else []) + _missing("losetup", "blkid", "findmnt", "mount", "umount")
 needs_loop = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("losetup") is None,
-    reason="attaching loop devices and mounting need root and losetup",
+    bool(_LOOP_MISSING), reason=f"loop devices and mounts need root and their tools; missing {', '.join(_LOOP_MISSING)}"
 )
-needs_xfs = pytest.mark.skipif(shutil.which("mkfs.xfs") is None, reason="mkfs.xfs is missing (xfsprogs)")
-FILESYSTEMS = [pytest.param("xfs", marks=needs_xfs), "ext4"]
+FILESYSTEMS = [pytest.param("xfs", marks=needs("mkfs.xfs")), pytest.param("ext4", marks=needs("mkfs.ext4"))]
 
 
 def sh(*argv: str) -> str:
@@ -139,6 +162,7 @@ async def test_a_first_run_formats_mounts_labels_the_node_and_removes_the_taint(
 
 
 @needs_loop
+@needs("mkfs.xfs")
 async def test_a_second_run_on_a_ready_node_changes_nothing(
     loops: Callable[[int], list[str]], kube: FakeKube, actions: KubeActions, tmp_path: Path
 ) -> None:
@@ -171,6 +195,7 @@ async def test_after_a_reboot_the_cache_is_mounted_again_without_formatting(
 
 
 @needs_loop
+@needs("mkfs.ext4")
 async def test_a_foreign_filesystem_is_refused_by_name_and_the_taint_left(
     loops: Callable[[int], list[str]], kube: FakeKube, actions: KubeActions, tmp_path: Path
 ) -> None:
@@ -184,6 +209,7 @@ async def test_a_foreign_filesystem_is_refused_by_name_and_the_taint_left(
 
 
 @needs_loop
+@needs("mkfs.ext4", "wipefs")
 async def test_force_formats_a_foreign_filesystem(loops: Callable[[int], list[str]], tmp_path: Path) -> None:
     [device] = loops(1)
     sh("mkfs.ext4", "-q", "-L", "data", device)
@@ -210,10 +236,8 @@ async def test_a_missing_device_path_fails_naming_it(tmp_path: Path) -> None:
 
 
 @needs_loop
-@pytest.mark.skipif(
-    not Path("/proc/mdstat").exists() or shutil.which("mdadm") is None,
-    reason="RAID0 needs the md driver (/proc/mdstat) and mdadm",
-)
+@needs("mdadm", "mkfs.xfs")
+@pytest.mark.skipif(not Path("/proc/mdstat").exists(), reason="RAID0 needs the kernel's md driver (/proc/mdstat)")
 async def test_several_disks_become_a_raid0_that_a_reboot_reassembles(
     loops: Callable[[int], list[str]], tmp_path: Path
 ) -> None:

@@ -9,12 +9,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from agent.fakes.imds import FakeImds, control, serving
 from agent.fakes.processes import free_port, start, wait_http
 from agent.metrics import CollectorRegistry
-from daemonset.imds import ERROR_KINDS, ImdsMetrics, ImdsSource
+from daemonset.imds import ERROR_KINDS, ImdsClient, ImdsError, ImdsMetrics, ImdsSource
 from daemonset.imds_parse import INSTANCE_ID, SPOT, TOKEN
 from daemonset.notice import Kind, Notice
 
@@ -306,3 +308,36 @@ async def test_a_malformed_answer_is_counted_while_other_paths_still_yield(
         source = collect()
         await source.until(lambda: len(source.notices) == 1 and source.errors("malformed") >= 5)
     assert [log["kind"] for log in logs if log["event"] == "imds.failing"] == ["malformed"]
+
+
+CAPTIVE_PAGE = "<html>\n<head><title>Sign in to the network</title></head>\n<body>Accept the terms</body>\n</html>\n"
+
+
+async def test_a_token_request_answered_by_a_proxys_page_is_counted_logged_once_and_retried(
+    fake: FakeImds, collect: Callable[..., Collected]
+) -> None:
+    fake.schedule_spot("terminate", NOTICE_TIME)
+    fake.answer_tokens_with(CAPTIVE_PAGE)
+    with capture_logs() as logs:
+        source = collect()
+        await source.until(lambda: source.errors("bad_token") >= 8)
+        assert source.notices == []
+        assert fake.requests[SPOT] == 0, "the page is never sent on as a token"
+        fake.answer_tokens_with(None)
+        await source.until(lambda: len(source.notices) == 1)
+    failing = [log for log in logs if log["event"] == "imds.failing"]
+    assert [log["kind"] for log in failing] == ["bad_token"]
+    assert "<html>" in failing[0]["error"], "the log shows what came back"
+    assert any(log["event"] == "imds.recovered" for log in logs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.binary(max_size=300) | st.sampled_from([CAPTIVE_PAGE.encode(), b"", b"AQAE" * 14 + b"\r\nX: y"]))
+async def test_no_answer_to_a_token_request_raises_anything_but_an_imds_error(
+    fake: FakeImds, url: str, session: aiohttp.ClientSession, body: bytes
+) -> None:
+    fake.answer_tokens_with(body)
+    client = ImdsClient(session=session, base_url=url, token_ttl_s=60, allow_v1=False, timeout_s=1.0)
+    with pytest.raises(ImdsError) as raised:
+        await client.get(INSTANCE_ID)  # a token the fake did not issue is refused, so this never succeeds
+    assert raised.value.kind in ERROR_KINDS

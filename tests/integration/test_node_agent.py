@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +20,7 @@ from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port, status_of
 from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
 from tests.conftest import node_agent, until
+from tests.deploy.manifests import grants, needed, render
 
 INSTANCE = "i-0123456789abcdef0"
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
@@ -116,6 +118,45 @@ async def test_a_restart_mid_drain_resumes_without_marking_twice(kube: FakeKube,
         assert len(kube.events()) == 1
 
 
+def handled(logs: list[MutableMapping[str, Any]]) -> int:
+    """Notices the handler has marked the node for, or found it already marked for."""
+    return sum(e["event"] in ("node.tainted", "node.already_marked") for e in logs)
+
+
+async def test_a_rebalance_after_a_spot_warning_and_a_restart_mark_nothing_more(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+    with capture_logs() as logs:
+        async with serving(imds) as url:
+            async with agent(kube, url, tmp_path, "--no-evict"):
+                await until(lambda: cordoned(kube))
+                imds.schedule_rebalance(utcnow())
+                await until(lambda: handled(logs) == 2)
+            async with agent(kube, url, tmp_path, "--no-evict"):
+                await until(lambda: handled(logs) == 4)
+    ours = [t for t in kube.node("gpu-1")["spec"]["taints"] if t["key"] == TAINT_KEY]
+    assert ours == [{"key": TAINT_KEY, "value": "spot-interruption", "effect": "NoSchedule"}]
+    assert kube.count("PATCH", "/api/v1/nodes/{name}") == 1
+    assert [e["reason"] for e in kube.events()] == ["InterruptionNotice"]
+
+
+async def test_a_restart_keeps_the_first_deadline_of_an_asg_termination(kube: FakeKube, tmp_path: Path) -> None:
+    imds = FakeImds(instance_id=INSTANCE, lifecycle_state="Terminated")
+    with capture_logs() as logs:
+        async with serving(imds) as url:
+            async with agent(kube, url, tmp_path, "--no-evict"):
+                await until(lambda: cordoned(kube))
+            first = kube.node("gpu-1")["metadata"]["annotations"][TERMINATION_TIME]
+            async with agent(kube, url, tmp_path, "--no-evict") as notice_port:
+                await until(lambda: handled(logs) == 2)
+                status, body = await status_of(f"http://127.0.0.1:{notice_port}/v1/notice")
+    assert status == 200
+    assert json.loads(body)["deadline"] == first, "the sidecars are told the first deadline, not a later one"
+    assert kube.node("gpu-1")["metadata"]["annotations"][TERMINATION_TIME] == first
+    assert kube.count("PATCH", "/api/v1/nodes/{name}") == 1
+    assert len(kube.events()) == 1
+
+
 async def test_a_canceled_maintenance_event_removes_only_what_the_agent_added(kube: FakeKube, tmp_path: Path) -> None:
     imds = FakeImds(instance_id=INSTANCE)
     imds.add_maintenance(code="system-reboot", event_id="instance-event-0d59937288b749b32",
@@ -170,3 +211,22 @@ async def test_a_failed_model_cache_keeps_its_startup_taint_and_notices_are_stil
         assert pending in kube.node("gpu-1")["spec"]["taints"]
         failed = next(e for e in logs if e["event"] == "cache.failed")
         assert "gone-nvme1n1" in str(failed["device"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "directory"),
+    [((), "agent"), (("--no-evict",), "overlays/karpenter-interruption"), (("--no-evict",), "overlays/queue-mode")],
+)
+async def test_imds_mode_calls_exactly_what_its_account_is_granted(
+    kube: FakeKube, tmp_path: Path, flags: tuple[str, ...], directory: str
+) -> None:
+    granted = grants(render(directory), "spotdrain", "spotdrain-node")
+    imds = FakeImds(instance_id=INSTANCE)
+    event_id = imds.add_maintenance(not_before=utcnow() + timedelta(hours=1))
+    with capture_logs() as logs:
+        async with serving(imds) as url, agent(kube, url, tmp_path, *flags):
+            await until(lambda: cordoned(kube) and len(kube.events()) == 1)
+            await until(lambda: "--no-evict" in flags or any(e["event"] == "node.drained" for e in logs))
+            imds.set_maintenance_state(event_id, "canceled")
+            await until(lambda: len(kube.events()) == 2)
+    assert needed(kube.calls, granted) == granted

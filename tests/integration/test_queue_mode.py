@@ -7,19 +7,21 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from agent.clock import rfc3339, utcnow
 from agent.fakes.aws import REGION, MotoServer
-from agent.fakes.events import spot_warning
+from agent.fakes.events import eventbridge, health_change, spot_warning, state_change
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import status_of
-from daemonset.planning import TAINT_KEY
+from daemonset.planning import NOTICE_ID, TAINT_KEY
 from tests.conftest import node_agent, until
+from tests.deploy.manifests import grants, needed, render
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
@@ -47,7 +49,9 @@ def lifecycle(instance: str, token: str) -> str:
     )
 
 
-def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path) -> AbstractAsyncContextManager[int]:
+def queue_agent(
+    kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path, *flags: str
+) -> AbstractAsyncContextManager[int]:
     """The node agent in queue mode on moto's queue; yields its notice port."""
     aws = (
         "--queue-url",
@@ -59,7 +63,7 @@ def queue_agent(kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path) ->
         "--sqs-wait-time",
         "1",
     )
-    return node_agent(kube, tmp_path / "kubeconfig", *aws, "--api-qps", "200", "--api-burst", "100")
+    return node_agent(kube, tmp_path / "kubeconfig", *aws, "--api-qps", "200", "--api-burst", "100", *flags)
 
 
 def messages_left(sqs: SQSClient, queue: str) -> int:
@@ -167,3 +171,90 @@ async def test_a_burst_of_messages_for_many_nodes_is_handled_once_each(
     deleted = [c for c in moto.calls("DeleteMessage") if c.params["QueueUrl"] == queue]
     assert len(deleted) == nodes
     assert len({c.params["ReceiptHandle"] for c in deleted}) == nodes
+
+
+async def test_a_closed_health_event_unmarks_the_node_its_open_event_marked(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_1a2b3c"
+    start = utcnow() + timedelta(days=2)
+
+    def change(status: str, at: datetime) -> str:
+        return health_change(("i-0000000000000001",), arn=arn, status=status, start=at, time=utcnow(), region=REGION)
+
+    sqs.send_message(QueueUrl=queue, MessageBody=change("upcoming", start))
+    async with queue_agent(kube, moto, queue, tmp_path) as notice_port:
+        notice_url = f"http://127.0.0.1:{notice_port}/v1/notice?node=gpu-1"
+        await until(lambda: kube.node("gpu-1")["spec"].get("unschedulable") is True)
+        await until(lambda: messages_left(sqs, queue) == 0)
+        assert (await status_of(notice_url))[0] == 200
+        sqs.send_message(QueueUrl=queue, MessageBody=change("closed", start + timedelta(hours=3)))
+        await until(lambda: "unschedulable" not in kube.node("gpu-1")["spec"])
+        await until(lambda: messages_left(sqs, queue) == 0)
+        assert (await status_of(notice_url))[0] == 204
+    node = kube.node("gpu-1")
+    assert not [t for t in node["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
+    assert NOTICE_ID not in (node["metadata"].get("annotations") or {})
+    assert [e["reason"] for e in kube.events()] == ["InterruptionNotice", "InterruptionWithdrawn"]
+
+
+async def test_an_instance_already_shutting_down_is_evicted_with_one_second_of_grace_not_zero(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    body = state_change("i-0000000000000002", "shutting-down", time=utcnow(), region=REGION)
+    sqs.send_message(QueueUrl=queue, MessageBody=body)
+    async with queue_agent(kube, moto, queue, tmp_path):
+        await until(lambda: bool(kube.deletions))
+    # The event time is the deadline, already past: grace 0 would delete the pod without its preStop.
+    assert [(d.name, d.grace_s) for d in kube.deletions] == [("vllm-2", 1)]
+
+
+async def test_a_late_notice_for_an_instance_whose_node_name_was_reused_touches_no_node(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    old, new = "i-0000000000000001", "i-0000000000000009"
+    rebalance = eventbridge("EC2 Instance Rebalance Recommendation", {"instance-id": old}, time=utcnow(), region=REGION)
+    sqs.send_message(QueueUrl=queue, MessageBody=json.dumps(rebalance))  # the agent learns old -> gpu-1
+    with capture_logs() as logs:
+        async with queue_agent(kube, moto, queue, tmp_path, "--max-receives", "1"):
+            await until(lambda: bool(kube.node("gpu-1")["spec"].get("taints")))
+            await until(lambda: messages_left(sqs, queue) == 0)
+            kube.replace_node("gpu-1", provider_id=f"aws:///{REGION}a/{new}")
+            kube.add_pod("ml", "vllm-new", node="gpu-1", owner_kind="ReplicaSet")
+            terminated = state_change(old, "terminated", time=utcnow(), region=REGION)
+            sqs.send_message(QueueUrl=queue, MessageBody=terminated)
+            await until(lambda: any(e["event"] == "sqs.gave_up" for e in logs) or bool(kube.deletions))
+            assert kube.deletions == []
+            assert "taints" not in kube.node("gpu-1")["spec"]
+            assert "unschedulable" not in kube.node("gpu-1")["spec"]
+            assert kube.pod("ml", "vllm-new") is not None
+            sqs.send_message(QueueUrl=queue, MessageBody=spot(new))  # the new instance is found under the same name
+            await until(lambda: kube.node("gpu-1")["spec"].get("unschedulable") is True)
+            await until(lambda: messages_left(sqs, queue) == 0)
+    assert any(e["event"] == "node.replaced" and e["found"] == new for e in logs)
+    assert [d.name for d in kube.deletions] == ["vllm-new"]
+
+
+async def test_queue_mode_calls_exactly_what_its_account_is_granted(
+    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+) -> None:
+    granted = grants(render("overlays/queue-mode"), "spotdrain", "spotdrain-queue")
+    queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
+    arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_4d5e6f"
+
+    def change(status: str) -> str:
+        start = utcnow() + timedelta(days=1)
+        return health_change(("i-0000000000000002",), arn=arn, status=status, start=start, time=utcnow(), region=REGION)
+
+    sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
+    sqs.send_message(QueueUrl=queue, MessageBody=change("open"))
+    async with queue_agent(kube, moto, queue, tmp_path):
+        await until(lambda: kube.pod("ml", "vllm-1") is None and kube.pod("ml", "vllm-2") is None)
+        await until(lambda: messages_left(sqs, queue) == 0)
+        sqs.send_message(QueueUrl=queue, MessageBody=change("closed"))
+        await until(lambda: "unschedulable" not in kube.node("gpu-2")["spec"])
+        await until(lambda: messages_left(sqs, queue) == 0)
+    assert needed(kube.calls, granted) == granted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -186,6 +187,29 @@ async def test_a_restarted_agent_resumes_without_doing_anything_twice(actions: R
 
 
 @pytest.mark.looptime
+async def test_a_restarted_agent_waits_for_the_pods_already_terminating_before_acknowledging(
+    actions: RecordingActions,
+) -> None:
+    first, _, _ = handler_for(actions, evict=False)
+    await first.handle(spot())
+    actions.pods["vllm-0"]["metadata"]["deletionTimestamp"] = "2026-11-29T10:20:30Z"
+    ack = RecordingAck()
+    restarted, _, _ = handler_for(actions)
+
+    async def kubelet_removes_the_terminating_pod() -> None:
+        await asyncio.sleep(30)
+        del actions.pods["vllm-0"]
+
+    removal = asyncio.create_task(kubelet_removes_the_terminating_pod())
+    started = asyncio.get_running_loop().time()
+    await restarted.handle(spot(ack=ack, source=Source.SQS))
+    assert asyncio.get_running_loop().time() - started >= 30
+    assert removal.done()
+    assert ack.said.count("succeeded") == 1
+    assert ack.said[-1] == "succeeded"
+
+
+@pytest.mark.looptime
 async def test_a_rebalance_recommendation_only_adds_a_soft_taint(actions: RecordingActions) -> None:
     handler, board, _ = handler_for(actions)
     await handler.handle(Notice(Kind.REBALANCE_RECOMMENDATION, "i-0abc", T0 + timedelta(seconds=120), Source.IMDS))
@@ -194,6 +218,38 @@ async def test_a_rebalance_recommendation_only_adds_a_soft_taint(actions: Record
     assert not node["spec"].get("unschedulable")
     assert board.by_node == {}
     assert "evict" not in [c[0] for c in actions.calls]
+
+
+@pytest.mark.looptime
+async def test_a_rebalance_after_a_spot_warning_and_a_restart_change_nothing(actions: RecordingActions) -> None:
+    rebalance = Notice(Kind.REBALANCE_RECOMMENDATION, "i-0abc", T0 + timedelta(seconds=120), Source.IMDS)
+    handler, _, _ = handler_for(actions, evict=False)
+    await handler.handle(spot())
+    await handler.handle(rebalance)
+    restarted, _, _ = handler_for(actions, evict=False)
+    await restarted.handle(rebalance)
+    await restarted.handle(spot())
+    node = actions.nodes["gpu-1"]
+    assert node["spec"]["taints"] == [{"key": TAINT_KEY, "value": "spot-interruption", "effect": "NoSchedule"}]
+    assert node["metadata"]["annotations"]["spotdrain.io/notice"] == spot().id
+    assert [c[0] for c in actions.calls].count("patch_node") == 1
+    assert [e[0] for e in actions.events] == ["InterruptionNotice"]
+
+
+@pytest.mark.looptime
+async def test_a_restart_keeps_the_first_reckoned_deadline(actions: RecordingActions) -> None:
+    first = Notice(Kind.ASG_TERMINATION, "i-0abc", T0 + timedelta(seconds=120), Source.IMDS, "Terminated")
+    handler, _, _ = handler_for(actions, evict=False)
+    await handler.handle(first)
+    restarted, board, _ = handler_for(actions)
+    await asyncio.sleep(30)
+    await restarted.handle(
+        Notice(Kind.ASG_TERMINATION, "i-0abc", T0 + timedelta(seconds=150), Source.IMDS, "Terminated")
+    )
+    assert actions.nodes["gpu-1"]["metadata"]["annotations"]["spotdrain.io/termination-time"] == "2026-11-29T10:22:00Z"
+    assert board.by_node["gpu-1"].deadline == first.deadline, "the sidecars are told the first deadline"
+    assert [c[0] for c in actions.calls].count("patch_node") == 1
+    assert {c[2] for c in actions.calls if c[0] == "evict"} == {"84"}  # 120 - 30 s later - 1 s delay - 5 s margin
 
 
 @pytest.mark.looptime
@@ -234,6 +290,16 @@ async def test_evictions_blocked_by_a_disruption_budget_are_retried_until_allowe
 
 
 @pytest.mark.looptime
+async def test_no_eviction_is_an_immediate_deletion_however_close_the_deadline(actions: RecordingActions) -> None:
+    actions.pdb_blocks_until = 6.0  # retried until past the deadline's margin, then right up to the deadline
+    handler, _, _ = handler_for(actions)
+    await handler.handle(spot(seconds=8))
+    grace = [int(c[2]) for c in actions.calls if c[0] == "evict"]
+    assert len(grace) > 2
+    assert min(grace) == 1, "grace 0 deletes at once: no preStop, so the streams are cut"
+
+
+@pytest.mark.looptime
 async def test_evictions_still_blocked_at_the_deadline_are_given_up_and_reported(actions: RecordingActions) -> None:
     actions.pdb_blocks_until = 1e9
     ack = RecordingAck()
@@ -262,6 +328,21 @@ async def test_queue_mode_finds_the_node_by_provider_id(actions: RecordingAction
     assert actions.nodes["gpu-2"]["spec"]["unschedulable"] is True
     assert "unschedulable" not in actions.nodes["gpu-1"]["spec"]
     assert set(board.by_node) == {"gpu-2"}
+
+
+@pytest.mark.looptime
+async def test_queue_mode_touches_no_node_that_is_another_instance_now(actions: RecordingActions) -> None:
+    handler, _, _ = handler_for(actions, local_node=None, evict=False)
+    earlier = Notice(Kind.HEALTH_SCHEDULED_CHANGE, "i-0abc", T0 + timedelta(days=1), Source.SQS, "arn:1")
+    await handler.handle(earlier)  # the index learns i-0abc -> gpu-1
+    actions.add_node("gpu-1", "i-0new")  # EKS names nodes after the private IP: a new instance got it
+    marking, withdrawing = RecordingAck(), RecordingAck()
+    await handler.handle(spot(ack=marking, source=Source.SQS))
+    await handler.handle(replace(earlier, withdrawn=True, ack=withdrawing))
+    assert marking.said == withdrawing.said == ["retry: instance i-0abc is not a node of this cluster"]
+    assert actions.nodes["gpu-1"]["spec"] == {"providerID": "aws:///us-east-1a/i-0new"}
+    assert [c for c in actions.calls if c[0] == "patch_node"] == [("patch_node", "gpu-1")], "the old node's mark only"
+    assert [c[0] for c in actions.calls].count("list_nodes") == 2, "a mismatch looks the instance up afresh"
 
 
 @pytest.mark.looptime

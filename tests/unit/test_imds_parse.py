@@ -25,6 +25,7 @@ from daemonset.imds_parse import (
     parse_rebalance,
     parse_spot,
     parse_time,
+    parse_token,
 )
 from daemonset.notice import Kind, Source
 
@@ -259,3 +260,43 @@ def test_no_body_crashes_the_instance_id_parser(body: str | bytes, status: int) 
     except ImdsFormatError as error:
         instance_id = error.path
     assert instance_id == INSTANCE_ID or instance_id.startswith("i-")
+
+
+REAL_TOKEN = b"AQAEAHhnfPvJ6tOfXP9S-Km9tBmui0DU-JWBBTy_N6M5YhL8ly3Orw=="  # the shape IMDS answers: 56 characters
+
+
+def test_a_session_token_is_taken_as_imds_sends_it() -> None:
+    assert parse_token(REAL_TOKEN) == REAL_TOKEN.decode()
+    assert parse_token(REAL_TOKEN + b"\n") == REAL_TOKEN.decode()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"<html>\n<head><title>Sign in to the network</title></head>\n<body>...</body>\n</html>\n",
+        b'{"error": "proxy authentication required"}',
+        b"short",
+        REAL_TOKEN[:20] + b"\n" + REAL_TOKEN[20:],
+        REAL_TOKEN.replace(b"-", b"\xc3\xa9"),
+        REAL_TOKEN * 20,
+    ],
+)
+def test_anything_else_is_not_a_session_token(body: bytes) -> None:
+    with pytest.raises(ImdsFormatError, match="not a session token"):
+        parse_token(body)
+
+
+@given(body=st.binary(max_size=600) | st.text(max_size=200).map(str.encode))
+def test_whatever_answers_a_token_request_is_a_header_safe_token_or_refused(body: bytes) -> None:
+    try:
+        token = parse_token(body)
+    except ImdsFormatError as error:
+        shown = str(error)
+    else:
+        assert 32 <= len(token) <= 512
+        assert token.isascii()
+        assert token.isprintable()
+        assert token == token.strip()
+        return
+    assert repr(body[:60]) in shown, "the error shows the start of what came back"

@@ -177,6 +177,26 @@ def test_health_event_other_than_an_ec2_scheduled_change_is_ignored(change: dict
     assert isinstance(parse(json.dumps(body)), Ignored)
 
 
+def test_a_closed_health_event_withdraws_the_notices_of_the_open_one_under_their_ids() -> None:
+    closed = copy.deepcopy(HEALTH)
+    closed["id"] = "7bf73129-1428-4cd3-a780-95db273d1602"
+    # Closing an event can also move its times: the eventArn is what names it.
+    closed["detail"].update(statusCode="closed", startTime="Sun, 06 Dec 2026 08:00:00 GMT")
+    closed["detail"]["endTime"] = "Sun, 06 Dec 2026 09:00:00 GMT"
+    opened, withdrawn = notices(HEALTH).notices, notices(closed).notices
+    assert [n.withdrawn for n in opened] == [False, False]
+    assert [n.withdrawn for n in withdrawn] == [True, True]
+    assert [n.id for n in withdrawn] == [n.id for n in opened]
+    assert [n.instance_id for n in withdrawn] == [INSTANCE, "i-0fedcba9876543210"]
+
+
+def test_a_closed_health_event_without_an_event_arn_names_nothing_to_withdraw() -> None:
+    closed = copy.deepcopy(HEALTH)
+    closed["detail"]["statusCode"] = "closed"
+    del closed["detail"]["eventArn"]
+    assert isinstance(parse(json.dumps(closed)), Ignored)
+
+
 def test_health_entities_that_are_not_instances_are_skipped() -> None:
     body = copy.deepcopy(HEALTH)
     body["detail"]["affectedEntities"] = [{"entityValue": "vol-0123"}, {"entityValue": INSTANCE}, "junk"]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -18,6 +19,7 @@ from daemonset.planning import (
     plan_drain,
     plan_mark,
     plan_unmark,
+    resumed,
     skip_reason,
 )
 
@@ -67,6 +69,38 @@ def test_a_spot_warning_after_a_rebalance_replaces_the_soft_taint_and_cordons() 
     hard = merge(soft, plan_mark(soft, SPOT))
     assert [t["effect"] for t in hard["spec"]["taints"] if t["key"] == TAINT_KEY] == ["NoSchedule"]
     assert hard["spec"]["unschedulable"] is True
+
+
+def test_a_recommendation_after_a_spot_warning_adds_nothing() -> None:
+    hard = merge(node(), plan_mark(node(), SPOT))
+    assert plan_mark(hard, REBALANCE) is None, "NoSchedule must not become PreferNoSchedule"
+    assert plan_mark(merge(node(), plan_mark(node(), REBALANCE)), replace(REBALANCE, detail="another")) is None
+
+
+def test_of_two_definitive_notices_the_earlier_deadline_wins_and_a_tie_keeps_the_first() -> None:
+    far = Notice(Kind.HEALTH_SCHEDULED_CHANGE, "i-0abc", NOW + timedelta(days=3), Source.SQS, detail="arn:1")
+    marked = merge(node(), plan_mark(node(), far))
+    sooner = merge(marked, plan_mark(marked, SPOT))
+    assert sooner["metadata"]["annotations"][NOTICE_ID] == SPOT.id
+    assert sooner["metadata"]["annotations"][TERMINATION_TIME] == "2026-11-29T10:22:00Z"
+    assert [t["value"] for t in sooner["spec"]["taints"]] == ["spot-interruption"]
+    assert plan_mark(sooner, far) is None, "a later deadline adds nothing"
+    same_time = Notice(Kind.INSTANCE_TERMINATING, "i-0abc", SPOT.deadline, Source.SQS, detail="event-1")
+    assert plan_mark(sooner, same_time) is None
+
+
+def test_a_reckoned_deadline_is_the_one_the_node_was_first_marked_with() -> None:
+    first = Notice(Kind.ASG_TERMINATION, "i-0abc", NOW + timedelta(seconds=120), Source.IMDS, detail="Terminated")
+    marked = merge(node(), plan_mark(node(), first))
+    restarted = replace(first, deadline=first.deadline + timedelta(seconds=47.5))
+    assert resumed(marked, restarted) == first
+    assert resumed(marked, restarted).id == first.id
+    assert plan_mark(marked, resumed(marked, restarted)) is None
+    assert resumed(node(), restarted) == restarted, "nothing recorded: the notice's own deadline"
+    stated = replace(restarted, source=Source.SQS)
+    assert resumed(marked, stated) == stated, "a deadline AWS stated is never replaced"
+    spot_marked = merge(node(), plan_mark(node(), SPOT))
+    assert resumed(spot_marked, restarted) == restarted, "another notice's deadline is not this one's"
 
 
 def test_withdrawing_removes_only_what_was_added() -> None:
@@ -135,11 +169,27 @@ def test_daemonset_mirror_terminating_finished_and_own_pods_are_not_evicted() ->
     ]
 
 
-def test_grace_is_the_pods_own_when_the_deadline_is_far_and_never_negative() -> None:
+def test_grace_is_the_pods_own_when_the_deadline_is_far_and_never_under_one_second() -> None:
     later = NOW + timedelta(hours=1)
     assert grace_for(pod("a", spec={"terminationGracePeriodSeconds": 130}), deadline=later, now=NOW, margin_s=5) == 130
     assert grace_for(pod("a"), deadline=later, now=NOW, margin_s=5) == 30
-    assert grace_for(pod("a"), deadline=NOW, now=NOW + timedelta(seconds=3), margin_s=5) == 0
+    # 0 would be an immediate deletion, without the preStop that holds the pod until its streams end.
+    assert grace_for(pod("a"), deadline=NOW, now=NOW + timedelta(seconds=3), margin_s=5) == 1
+    assert grace_for(pod("a"), deadline=NOW + timedelta(seconds=5), now=NOW, margin_s=5) == 1
+    assert grace_for(pod("a", spec={"terminationGracePeriodSeconds": 0}), deadline=later, now=NOW, margin_s=5) == 1
+
+
+@given(
+    own=st.one_of(st.none(), st.integers(min_value=-5, max_value=10**6)),
+    left_s=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+    margin_s=st.floats(min_value=0, max_value=600, allow_nan=False),
+)
+def test_no_planned_eviction_is_an_immediate_deletion(own: int | None, left_s: float, margin_s: float) -> None:
+    spec = {} if own is None else {"terminationGracePeriodSeconds": own}
+    plan = plan_drain(
+        [pod("a", spec=spec)], deadline=NOW + timedelta(seconds=left_s), now=NOW, margin_s=margin_s, agent_pod=None
+    )
+    assert [eviction.grace_s >= 1 for eviction in plan] == [True]
 
 
 def test_instance_ids_come_from_the_provider_id_only() -> None:

@@ -6,6 +6,8 @@ import pytest
 
 from agent.cli import build_parser, main
 from agent.settings import SettingsError, env_name
+from daemonset.settings import NodeSettings
+from daemonset.settings import from_arguments as node_from_arguments
 from sidecar.settings import SidecarSettings, from_arguments
 
 
@@ -92,3 +94,27 @@ def test_queue_mode_needs_a_region(capsys: pytest.CaptureFixture[str], monkeypat
     monkeypatch.delenv("AWS_REGION", raising=False)
     assert main(["node", "--queue-url", "https://sqs.us-east-1.amazonaws.com/1/q"]) == 2
     assert "--queue-url needs --aws-region" in capsys.readouterr().err
+
+
+def node_settings_for(*argv: str) -> NodeSettings:
+    return node_from_arguments(build_parser().parse_args(["node", "--node-name", "gpu-1", *argv]))
+
+
+def test_the_node_agent_bounds_api_calls_and_stalls_by_default_and_by_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = node_settings_for()
+    assert (defaults.kube.timeout_s, defaults.drain.progress_timeout_s) == (10.0, 60.0)
+    monkeypatch.setenv("SPOTDRAIN_API_TIMEOUT", "2.5")
+    monkeypatch.setenv("SPOTDRAIN_PROGRESS_TIMEOUT", "30")
+    settings = node_settings_for()
+    assert (settings.kube.timeout_s, settings.drain.progress_timeout_s) == (2.5, 30.0)
+
+
+@pytest.mark.parametrize("flag", ["--api-timeout", "--progress-timeout"])
+def test_an_unbounded_timeout_is_refused(flag: str) -> None:
+    with pytest.raises(SettingsError, match=f"{flag} must be above 0"):
+        node_settings_for(flag, "0")
+
+
+def test_liveness_outlasts_the_pause_before_evicting() -> None:
+    with pytest.raises(SettingsError, match="--progress-timeout must be longer than --eviction-delay"):
+        node_settings_for("--eviction-delay", "90")
