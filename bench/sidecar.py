@@ -9,8 +9,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from agent.fakes.processes import engine_args, free_port, sidecar_args, start, stream, wait_http
 from bench.common import Result, report, rss_mb
+from simulate.fakes.processes import engine_args, free_port, sidecar_args, start, stream, wait_http
 
 MEMORY_TARGET_MB = 40.0
 EXIT_TARGET_S = 0.6

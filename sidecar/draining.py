@@ -7,13 +7,13 @@ from datetime import timedelta
 
 import structlog
 
-from agent.clock import utcnow
 from sidecar.engine_client import EngineClient
 from sidecar.handshake import DrainDir
 from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
 from sidecar.settings import DrainSettings
 from sidecar.state import Drain, Outcome, next_poll_delay, observe, streams_cut
+from spotdrain.clock import utcnow
 
 log = structlog.get_logger()
 

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent.cli import COMMANDS, build_parser
+from spotdrain.cli import COMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

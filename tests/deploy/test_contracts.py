@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.settings import env_name
-from daemonset.metrics import AgentMetrics
+from agent.drain.metrics import AgentMetrics
 from sidecar.engines import ENGINES
 from sidecar.metrics import SidecarMetrics
+from spotdrain.settings import env_name
 from tests.conftest import every_series
 from tests.deploy.manifests import (
     DEPLOY,
@@ -86,14 +86,14 @@ def _grants(objects: list[Obj], namespace: str, account: str) -> set[tuple[str, 
 
 
 def test_every_kubernetes_call_of_the_agent_is_known_and_granted() -> None:
-    calls = _core_calls_in(sorted((ROOT / "daemonset").glob("*.py")))
+    calls = _core_calls_in(sorted((ROOT / "agent").rglob("*.py")))
     unknown = {method: files for method, files in calls.items() if method not in CORE_CALLS}
     assert unknown == {}, "a new Kubernetes call: add it to CORE_CALLS, AGENT_RBAC and deploy/agent/rbac.yaml"
     assert {CORE_CALLS[method] for method in calls} == {(r, v) for _, r, v, _ in AGENT_RBAC}
 
 
 def test_events_are_created_in_the_namespace_the_role_grants() -> None:
-    source = (ROOT / "daemonset" / "nodes.py").read_text()
+    source = (ROOT / "agent" / "drain" / "nodes.py").read_text()
     namespaces = set(re.findall(r'create_namespaced_event\(\s*"([\w-]+)"', source))
     assert namespaces == {ns for _, resource, _, ns in AGENT_RBAC if resource == "events"}
 

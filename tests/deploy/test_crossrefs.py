@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from daemonset.cache_settings import CacheSettings
-from daemonset.settings import NodeSettings
+from agent.cache.settings import CacheSettings
+from agent.node_settings import NodeSettings
 from sidecar.gate import CONDITION
 from sidecar.settings import SidecarSettings
 from tests.deploy.manifests import (

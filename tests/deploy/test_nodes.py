@@ -9,7 +9,7 @@ import re
 import pytest
 import yaml
 
-from daemonset.cache_plan import PENDING_TAINT, READY_LABEL
+from agent.cache.plan import PENDING_TAINT, READY_LABEL
 from tests.deploy.manifests import CRDS, Obj, PodTemplate, one, pod_templates, render
 
 GPU = "nvidia.com/gpu"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.fakes.processes import engine_args, free_port, sidecar_args, start, status_of, stream, wait_http
+from simulate.fakes.processes import engine_args, free_port, sidecar_args, start, status_of, stream, wait_http
 
 pytestmark = pytest.mark.e2e
 

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.clock import rfc3339, utcnow
-from agent.fakes.imds import FakeImds, serving
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, status_of
-from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
+from agent.drain.planning import ADDED, TAINT_KEY, TERMINATION_TIME
+from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, status_of
+from spotdrain.clock import rfc3339, utcnow
 from tests.conftest import node_agent, until
 
 INSTANCE = "i-0123456789abcdef0"

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from agent.clock import rfc3339, utcnow
-from agent.fakes.aws import REGION, MotoServer
-from agent.fakes.events import spot_warning
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import status_of
-from daemonset.planning import TAINT_KEY
+from agent.drain.planning import TAINT_KEY
+from simulate.fakes.aws import REGION, MotoServer
+from simulate.fakes.events import spot_warning
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import status_of
+from spotdrain.clock import rfc3339, utcnow
 from tests.conftest import node_agent, until
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ async def test_an_event_within_its_deadline_is_timed_from_the_event_not_from_rec
     assert (
         abs(
             (
-                utcnow() + timedelta(seconds=120) - __import__("agent.clock").clock.parse_rfc3339(annotation)
+                utcnow() + timedelta(seconds=120) - __import__("spotdrain.clock").clock.parse_rfc3339(annotation)
             ).total_seconds()
         )
         < 10

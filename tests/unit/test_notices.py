@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from daemonset.notice import Kind, Notice, Source
+from agent.notices.notice import Kind, Notice, Source
 from sidecar.notices import DEFINITIVE, parse_notice
 
 

@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_sidecar_imports_nothing_from_the_node_agents_dependencies() -> None:
     code = (
-        "import sys, agent.cli, sidecar.main\n"
-        "agent.cli.build_parser()  # every subcommand's flags, as `spotdrain sidecar` builds them\n"
+        "import sys, spotdrain.cli, sidecar.main\n"
+        "spotdrain.cli.build_parser()  # every subcommand's flags, as `spotdrain sidecar` builds them\n"
         "heavy = [m for m in ('boto3', 'botocore', 'kubernetes_asyncio', 'yaml') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import build_parser, main
-from agent.settings import SettingsError, env_name
 from sidecar.settings import SidecarSettings, from_arguments
+from spotdrain.cli import build_parser, main
+from spotdrain.settings import SettingsError, env_name
 
 
 def settings_for(*argv: str) -> SidecarSettings:
