@@ -1,5 +1,5 @@
-"""deploy/ against the code: RBAC grants exactly the calls the programs make, and every metric name, label and flag
-the manifests and the dashboard use exists, so renaming one in the code fails here."""
+"""deploy/ and daemonset/ against the code: RBAC grants exactly the calls the programs make, and every metric name,
+label and flag the manifests and the dashboard use exists, so renaming one in the code fails here."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tests.conftest import every_series
 from tests.deploy.manifests import (
     DEPLOY,
     ROOT,
+    SHIPPED,
     Invocation,
     Obj,
     have_kubectl,
@@ -48,7 +49,7 @@ AGENT_RBAC = {
     ("", "pods/eviction", "create", None),
     ("", "events", "create", "default"),
 }
-AGENT_ACCOUNTS = (("agent", "spotdrain-node"), ("overlays/queue-mode", "spotdrain-queue"))
+AGENT_ACCOUNTS = (("daemonset/base", "spotdrain-node"), ("daemonset/queue-mode", "spotdrain-queue"))
 METRIC = re.compile(r"\bspotdrain_[a-z0-9_]*[a-z0-9]\b")  # not a wildcard such as spotdrain_sidecar_*
 MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
 SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
@@ -88,7 +89,7 @@ def _grants(objects: list[Obj], namespace: str, account: str) -> set[tuple[str, 
 def test_every_kubernetes_call_of_the_agent_is_known_and_granted() -> None:
     calls = _core_calls_in(sorted((ROOT / "agent").rglob("*.py")))
     unknown = {method: files for method, files in calls.items() if method not in CORE_CALLS}
-    assert unknown == {}, "a new Kubernetes call: add it to CORE_CALLS, AGENT_RBAC and deploy/agent/rbac.yaml"
+    assert unknown == {}, "a new Kubernetes call: add it to CORE_CALLS, AGENT_RBAC and daemonset/base/rbac.yaml"
     assert {CORE_CALLS[method] for method in calls} == {(r, v) for _, r, v, _ in AGENT_RBAC}
 
 
@@ -103,7 +104,7 @@ def test_the_agents_account_gets_exactly_what_it_calls(directory: str, account: 
     assert _grants(render(directory), "spotdrain", account) == AGENT_RBAC
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_inference_pods_may_patch_their_status_and_nothing_else(directory: str) -> None:
     gate = (ROOT / "sidecar" / "gate.py").read_text()
     assert re.search(r"/pods/\{pod\}/status", gate)
@@ -145,7 +146,7 @@ def _family_of(name: str, families: dict[str, dict[str, set[str]]]) -> str | Non
 
 
 def _deploy_texts() -> Iterator[tuple[str, str]]:
-    for path in sorted(DEPLOY.rglob("*")):
+    for path in sorted(path for top in SHIPPED for path in top.rglob("*")):
         if path.is_file() and path.suffix in (".yaml", ".json"):
             yield str(path.relative_to(ROOT)), path.read_text()
 
@@ -181,7 +182,7 @@ def test_the_dashboard_shows_every_series_of_the_agent_and_the_sidecar() -> None
 def test_ray_workers_read_vllms_gauges_under_the_names_ray_gives_them() -> None:
     vllm = ENGINES["vllm"]
     renamed = ",".join("ray_" + name.replace(":", "_") for name in (*vllm.required, *vllm.optional))
-    cluster = render("kuberay")
+    cluster = render("deploy/kuberay")
     for call in invocations(cluster):
         if call.subcommand == "sidecar":
             assert call.argv[call.argv.index("--in-flight-metric") + 1] == renamed
@@ -202,7 +203,7 @@ def _calls() -> list[Invocation]:
 
 
 def test_every_spotdrain_container_is_found() -> None:
-    render("agent")  # skips without kubectl
+    render("daemonset/base")  # skips without kubectl
     assert {call.subcommand for call in _calls()} == {"sidecar", "node", "cache"}
 
 
