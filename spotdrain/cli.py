@@ -6,12 +6,14 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from spotdrain.logs import configure_logging
 from spotdrain.settings import SettingsError, add_flag
 
 # name: (help, module with add_arguments(parser), module with main(args) -> int). Modules load only when needed,
-# so the sidecar never imports what the node agent needs.
+# so the sidecar never imports what the node agent needs; an image that does not carry a program has no command
+# for it (the sidecar image has no agent/, the agent image no sidecar/).
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "sidecar": (
         "run beside an inference engine: own readiness, hold termination until streams end",
@@ -45,8 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, arguments, _) in COMMANDS.items():
-        importlib.import_module(arguments).add_arguments(commands.add_parser(name, help=help_text))
+        module = _installed(arguments)
+        if module is not None:
+            module.add_arguments(commands.add_parser(name, help=help_text))
     return parser
+
+
+def _installed(name: str) -> ModuleType | None:
+    """The module, or None when its program is not installed here; any other failed import is raised."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and f"{name}.".startswith(f"{error.name}."):
+            return None
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int:
