@@ -28,8 +28,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "cache": ("prepare the NVMe model cache once and exit", "agent.cache.settings", "agent.cache.run"),
     "inject": (
         "print a manifest with the sidecar, probes, preStop, volume and grace period added",
-        "inject.pods",
-        "inject.pods",
+        "inject.cli",
+        "inject.cli",
     ),
     "simulate": (
         "a whole interruption on embedded fakes, printed as a timeline with a verdict",
