@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import tomllib
@@ -9,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from spotdrain.cli import _installed
+from tests.unit.import_graph import PROGRAMS, copied_packages
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-PROGRAMS = ("spotdrain", "agent", "sidecar", "inject", "simulate")
 # Runs before the code under test: the project's packages an image does not copy cannot be imported, as in the image.
 ABSENT = """
 import sys
@@ -25,13 +24,9 @@ sys.meta_path.insert(0, Absent())
 """
 
 
-def _copied(dockerfile: str) -> set[str]:
-    return set(re.findall(r"^COPY (\w+) \./\1$", (ROOT / dockerfile).read_text(), re.MULTILINE))
-
-
 def _in_image(dockerfile: str, code: str) -> list[str]:
     """What ``code`` prints, run with only the packages ``dockerfile`` copies (and every third-party module)."""
-    absent = sorted(set(PROGRAMS) - _copied(dockerfile))
+    absent = sorted(set(PROGRAMS) - copied_packages(dockerfile))
     program = f"ABSENT = {absent!r}\n{ABSENT}\n{code}"
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.split()
 
@@ -40,7 +35,7 @@ COMMANDS = "print(*spotdrain.cli.build_parser()._subparsers._group_actions[0].ch
 
 
 def test_the_sidecar_image_has_its_command_and_nothing_of_the_node_agent_or_its_dependencies() -> None:
-    assert _copied("Dockerfile.sidecar") == {"spotdrain", "sidecar"}
+    assert copied_packages("Dockerfile.sidecar") == {"spotdrain", "sidecar"}
     loaded = _in_image(
         "Dockerfile.sidecar",
         "import spotdrain.cli, sidecar.main\n"
@@ -52,7 +47,7 @@ def test_the_sidecar_image_has_its_command_and_nothing_of_the_node_agent_or_its_
 
 
 def test_the_agent_image_has_the_node_and_cache_commands_and_no_sidecar() -> None:
-    assert _copied("Dockerfile.agent") == {"spotdrain", "agent"}
+    assert copied_packages("Dockerfile.agent") == {"spotdrain", "agent"}
     commands = _in_image("Dockerfile.agent", "import spotdrain.cli, agent.main, agent.cache.run\n" + COMMANDS)
     assert commands == ["node", "cache"]
 
