@@ -12,7 +12,7 @@ from typing import Any
 
 from simulate.timeline import Kind, Recorder
 
-TAINT_KEY = "spotdrain.io/interruption"  # agent.drain.planning.TAINT_KEY, not imported: the daemonset is the agent's
+TAINT_KEY = "spotdrain.io/interruption"  # agent.drain.planning.TAINT_KEY; simulate/ never imports the agent
 Fields = dict[str, Any]
 
 
