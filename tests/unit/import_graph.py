@@ -12,8 +12,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROGRAMS = ("spotdrain", "agent", "sidecar", "inject", "simulate")
-PACKAGES = (*PROGRAMS, "bench", "tests")
+# Every top-level package of the repository, found rather than listed, so that a new program is checked too.
+PACKAGES = tuple(sorted(path.parent.name for path in ROOT.glob("*/__init__.py")))
+PROGRAMS = tuple(name for name in PACKAGES if name not in ("bench", "tests"))
 
 # Importer prefix -> the prefixes it may import (the longest matching importer prefix applies); None: anything.
 # sidecar/ runs in every inference pod and must not carry the node agent; the notice sources know nothing of what is
@@ -28,6 +29,7 @@ ALLOWED: dict[str, tuple[str, ...] | None] = {
     "agent.cache": ("spotdrain", "agent.cache", "agent.drain.nodes"),  # the cache marks its node as the drain does
     "inject": ("spotdrain", "inject"),
     "simulate": ("spotdrain", "simulate"),
+    "gateway": ("spotdrain", "gateway"),  # the stream-continuation gateway, a program of its own
     "bench": None,
     "tests": None,
 }
