@@ -1,1 +1,1 @@
-"""Shared core of spotdrain's two programs: settings, logging, metrics, HTTP helpers, Kubernetes access."""
+"""The node agent: notice sources, the node handler and the NVMe model cache."""

@@ -4,6 +4,6 @@ Logs of the programs and fakes a benchmark runs in-process go to standard error,
 output is the JSON document alone.
 """
 
-from agent.logs import configure_logging
+from spotdrain.logs import configure_logging
 
 configure_logging(json=False, level="warning")

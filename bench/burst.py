@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import boto3
 
-from agent.clock import utcnow
-from agent.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
-from agent.fakes.events import spot_warning
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, start, status_of
+from agent.drain.planning import TAINT_KEY
 from bench.common import Result, cpu_s
-from daemonset.planning import TAINT_KEY
 from sidecar.engines import sum_samples
+from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY
+from simulate.fakes.events import spot_warning
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, start, status_of
+from spotdrain.clock import utcnow
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
@@ -41,7 +41,7 @@ def tainted(kube: FakeKube) -> int:
 
 async def moto_process() -> tuple[asyncio.subprocess.Process, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agent.fakes.aws", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        sys.executable, "-m", "simulate.fakes.aws", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
     )
     assert process.stdout is not None
     return process, (await process.stdout.readline()).decode().strip()
@@ -95,7 +95,7 @@ async def measure() -> list[Result]:
                 kubeconfig = kube.write_kubeconfig(Path(workdir) / "kubeconfig")
                 args = [
                     "-m",
-                    "agent.cli",
+                    "spotdrain.cli",
                     "--log-level",
                     "warning",
                     "node",

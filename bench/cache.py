@@ -13,14 +13,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from agent.fakes.kube import FakeKube
-from agent.logs import configure_logging
-from agent.ratelimit import RateLimiter
+from agent.cache.plan import PENDING_TAINT, Outcome
+from agent.cache.run import prepare_cache
+from agent.cache.settings import CacheSettings
+from agent.drain.nodes import KubeActions, NodeActions, api_client
 from bench.common import Result, report
-from daemonset.cache_main import prepare_cache
-from daemonset.cache_plan import PENDING_TAINT, Outcome
-from daemonset.cache_settings import CacheSettings
-from daemonset.nodes import KubeActions, NodeActions, api_client
+from simulate.fakes.kube import FakeKube
+from spotdrain.logs import configure_logging
+from spotdrain.ratelimit import RateLimiter
 
 DISKS = 4
 DISK_BYTES = 1024**3

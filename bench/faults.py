@@ -1,5 +1,5 @@
 """The fault campaign at scale: interruptions of the node agent, one random fault each, against the fake API server,
-the fake IMDS and moto's SQS (see ``agent.fakes.campaign`` for the faults and the checks).
+the fake IMDS and moto's SQS (see ``simulate.campaign`` for the faults and the checks).
 
 Targets: no notice lost and no wrong node touched, over every run. ``python -m bench.faults --runs N`` runs N
 (``bench.run`` runs 300); the whole tally goes to stderr.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import boto3
 
-from agent.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
-from agent.fakes.campaign import campaign, report
 from bench.common import Result
 from bench.common import report as print_results
+from simulate.campaign import campaign, report
+from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
 
 RUNS = 300
 

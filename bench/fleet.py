@@ -34,8 +34,8 @@ from pathlib import Path
 
 import aiohttp
 
-from agent.fakes.processes import free_port, sidecar_args, start, wait_http
 from bench.common import Result, cpu_s, report, rss_mb
+from simulate.fakes.processes import free_port, sidecar_args, start, wait_http
 
 SIDECARS = 200
 BATCH = 25  # sidecars started at once: their imports take the machine for a while
@@ -58,7 +58,7 @@ def vllm_page(in_flight: int) -> list[bytes]:
     it does while streams run, so no sidecar sees a stall)."""
     from prometheus_client.exposition import generate_latest
 
-    from agent.fakes.engine import EngineConfig, VllmMetrics
+    from simulate.fakes.engine import EngineConfig, VllmMetrics
 
     metrics = VllmMetrics(EngineConfig(model=MODEL))
     metrics.running.labels(model_name=MODEL, engine="0").set(in_flight)

@@ -6,9 +6,9 @@ import time
 
 from prometheus_client.exposition import generate_latest
 
-from agent.fakes.engine import EngineConfig, VllmMetrics
 from bench.common import Result, report
 from sidecar.engines import ENGINES, in_flight
+from simulate.fakes.engine import EngineConfig, VllmMetrics
 
 TARGET_MS = 1.0
 

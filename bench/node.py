@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
-from agent.clock import rfc3339, utcnow
-from agent.fakes.imds import FakeImds, serving
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, start
+from agent.drain.planning import TERMINATION_TIME
 from bench.common import Result, cpu_s, rss_mb
-from daemonset.planning import TERMINATION_TIME
+from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, start
+from spotdrain.clock import rfc3339, utcnow
 
 AGENTS = 10
 NOTICES_EACH = 20
@@ -33,7 +33,7 @@ IDLE_CPU_TARGET = 0.01  # of one core
 def agent_args(*, node: str, imds_url: str, kubeconfig: Path, extra: Sequence[str] = ()) -> list[str]:
     return [
         "-m",
-        "agent.cli",
+        "spotdrain.cli",
         "--log-format",
         "json",
         "--log-level",

@@ -9,9 +9,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from agent.fakes.processes import engine_args, free_port, sidecar_args, start, stream, wait_http
 from bench.common import Result, report, rss_mb
 from sidecar.engines import ENGINES
+from simulate.fakes.processes import engine_args, free_port, sidecar_args, start, stream, wait_http
 
 MEMORY_TARGET_MB = 40.0
 # The zero must hold for the engine's reporting lag before the drain ends; 0.6 s for the rest (poll, exit).

@@ -8,7 +8,6 @@ from functools import partial
 
 import structlog
 
-from agent.clock import utcnow
 from sidecar.engine_client import EngineClient
 from sidecar.handshake import DrainDir
 from sidecar.lifecycle import Lifecycle
@@ -16,6 +15,7 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.record import DrainRecord, write_record
 from sidecar.settings import DrainSettings
 from sidecar.state import Drain, Outcome, needs_connections, next_poll_delay, observe, streams_cut
+from spotdrain.clock import utcnow
 
 log = structlog.get_logger()
 

@@ -8,11 +8,11 @@ from typing import Any
 import aiohttp
 import structlog
 
-from agent.clock import rfc3339, utcnow
-from agent.kube_rest import InCluster, patch
-from agent.retry import ApiError, retrying
 from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
+from spotdrain.clock import rfc3339, utcnow
+from spotdrain.kube_rest import InCluster, patch
+from spotdrain.retry import ApiError, retrying
 
 log = structlog.get_logger()
 

@@ -7,9 +7,9 @@ from datetime import datetime
 
 import structlog
 
-from agent.clock import utcnow
 from sidecar.metrics import SidecarMetrics
 from sidecar.state import Phase, advance
+from spotdrain.clock import utcnow
 
 log = structlog.get_logger()
 

@@ -8,12 +8,6 @@ import signal
 
 import structlog
 
-from agent.clock import rfc3339, utcnow
-from agent.kube_rest import InCluster
-from agent.metrics import CollectorRegistry
-from agent.probes import probe_app, serve
-from agent.settings import log_effective
-from agent.tasks import Role, Supervisor, on_signals
 from sidecar.draining import drainer
 from sidecar.engine_client import EngineClient, engine_session
 from sidecar.gate import gate_keeper
@@ -24,6 +18,12 @@ from sidecar.notices import notice_watcher
 from sidecar.record import DrainRecord, RecordError, read_record
 from sidecar.settings import SidecarSettings, from_arguments
 from sidecar.state import Phase
+from spotdrain.clock import rfc3339, utcnow
+from spotdrain.kube_rest import InCluster
+from spotdrain.metrics import CollectorRegistry
+from spotdrain.probes import probe_app, serve
+from spotdrain.settings import log_effective
+from spotdrain.tasks import Role, Supervisor, on_signals
 
 log = structlog.get_logger()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.metrics import CollectorRegistry, Counter, Gauge, Histogram, zeroed
 from sidecar.state import Outcome, Phase
+from spotdrain.metrics import CollectorRegistry, Counter, Gauge, Histogram, zeroed
 
 DRAIN_BUCKETS_S = (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 110, 120, 180, 300, 600)
 READ_ERRORS = ("unreachable", "http", "missing", "malformed")

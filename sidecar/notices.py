@@ -10,9 +10,9 @@ from datetime import datetime
 import aiohttp
 import structlog
 
-from agent.clock import parse_rfc3339
 from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
+from spotdrain.clock import parse_rfc3339
 
 log = structlog.get_logger()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from agent.clock import parse_rfc3339, rfc3339
+from spotdrain.clock import parse_rfc3339, rfc3339
 
 RECORD_MAX_BYTES = 4096
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from agent.settings import SettingsError, add_flag, add_switch, http_url, port, require, seconds
 from sidecar.engines import ENGINES, EngineSpec, custom_engine
+from spotdrain.settings import SettingsError, add_flag, add_switch, http_url, port, require, seconds
 
 SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import aiohttp
 
-from agent.fakes.engine import EngineConfig, serve_engine
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port
-from agent.metrics import CollectorRegistry
 from sidecar.engines import sum_samples
+from simulate.fakes.engine import EngineConfig, serve_engine
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port
+from spotdrain.metrics import CollectorRegistry
 
 
 @asynccontextmanager
@@ -43,10 +43,10 @@ async def scrape(url: str, name: str) -> float | None:
 
 def every_series() -> CollectorRegistry:
     """A registry holding every series the two programs export, as they are at start."""
-    from daemonset.cache_main import CacheMetrics
-    from daemonset.imds import ImdsMetrics
-    from daemonset.metrics import AgentMetrics
-    from daemonset.sqs import SqsMetrics
+    from agent.cache.run import CacheMetrics
+    from agent.drain.metrics import AgentMetrics
+    from agent.notices.imds import ImdsMetrics
+    from agent.notices.sqs import SqsMetrics
     from sidecar.metrics import SidecarMetrics
 
     registry = CollectorRegistry()
@@ -71,9 +71,9 @@ async def node_agent(kube: FakeKube, kubeconfig: Path, *flags: str, stop_within_
 
     Leaving the block sends this process SIGTERM, which the agent's handler turns into its own shutdown.
     """
-    from agent.cli import build_parser
-    from daemonset.main import run
-    from daemonset.settings import from_arguments
+    from agent.main import run
+    from agent.node_settings import from_arguments
+    from spotdrain.cli import build_parser
 
     notice_port = free_port()
     argv = ["node", "--kubeconfig", str(kube.write_kubeconfig(kubeconfig)), "--host", "127.0.0.1"]

@@ -1,5 +1,5 @@
-"""What the deploy/ tests share: rendering the kustomizations, the schemas to validate against, the pod templates
-inside workloads, and the real command line to parse containers' arguments with."""
+"""What the tests of deploy/ and daemonset/ share: rendering the kustomizations, the schemas to validate against, the
+pod templates inside workloads, and the real command line to parse containers' arguments with."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent.cli import COMMANDS, build_parser
-from agent.fakes.kube import Call
-from agent.fakes.kube_store import route
+from simulate.fakes.kube import Call
+from simulate.fakes.kube_store import route
+from spotdrain.cli import COMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+DAEMONSET = ROOT / "daemonset"  # the node agent's base and mode overlays
+SHIPPED = (DEPLOY, DAEMONSET)
 CRDS = ROOT.parent / "shared" / "crds"
 KUBERNETES_VERSION = "1.33"  # a version EKS runs; kubernetes-validate ships its schemas
 CUSTOM_GROUPS = frozenset({"karpenter.sh", "karpenter.k8s.aws", "keda.sh", "monitoring.coreos.com", "ray.io"})
@@ -49,8 +51,8 @@ def load_all(text: str) -> list[Obj]:
 
 
 def kustomizations() -> list[str]:
-    """Every directory under deploy/ with a kustomization.yaml, relative to deploy/."""
-    return sorted(str(path.parent.relative_to(DEPLOY)) for path in DEPLOY.rglob("kustomization.yaml"))
+    """Every directory under deploy/ and daemonset/ with a kustomization.yaml, relative to the repository."""
+    return sorted(str(path.parent.relative_to(ROOT)) for top in SHIPPED for path in top.rglob("kustomization.yaml"))
 
 
 def have_kubectl() -> bool:
@@ -63,15 +65,15 @@ def _render(directory: str) -> tuple[Obj, ...]:
     if kubectl is None:
         pytest.skip("kubectl is not installed: the kustomizations cannot be rendered")
     done = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / directory)], capture_output=True, text=True, timeout=60, check=False
+        [kubectl, "kustomize", str(ROOT / directory)], capture_output=True, text=True, timeout=60, check=False
     )
     if done.returncode != 0:
-        pytest.fail(f"kubectl kustomize deploy/{directory} failed:\n{done.stderr}")
+        pytest.fail(f"kubectl kustomize {directory} failed:\n{done.stderr}")
     return tuple(load_all(done.stdout))
 
 
 def render(directory: str) -> list[Obj]:
-    """The objects ``kubectl kustomize deploy/<directory>`` prints (rendered once per test run)."""
+    """The objects ``kubectl kustomize <directory>`` prints (rendered once per test run)."""
     return list(_render(directory))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from daemonset.messages import DETAIL_TYPES, STOPPING_STATES, TERMINATING_STATES
+from agent.notices.messages import DETAIL_TYPES, STOPPING_STATES, TERMINATING_STATES
 from tests.deploy.manifests import DEPLOY, ROOT
 
 TEMPLATE = DEPLOY / "aws" / "queue.yaml"
@@ -88,7 +88,7 @@ def test_every_rule_sends_an_event_the_agent_parses() -> None:
 
 
 def test_the_agents_policy_allows_exactly_the_aws_calls_it_makes() -> None:
-    source = (ROOT / "daemonset" / "sqs_calls.py").read_text()
+    source = (ROOT / "agent" / "notices" / "sqs_calls.py").read_text()
     calls = set(re.findall(r"self\.(sqs|autoscaling)\.(\w+)\(", source))
     wanted = {f"{service}:{''.join(part.title() for part in method.split('_'))}" for service, method in calls}
     (policy,) = _resources("AWS::IAM::ManagedPolicy").values()

@@ -1,5 +1,5 @@
-"""deploy/ against the code: RBAC grants exactly the calls the programs make, and every metric name, label and flag
-the manifests and the dashboard use exists, so renaming one in the code fails here."""
+"""deploy/ and daemonset/ against the code: RBAC grants exactly the calls the programs make, and every metric name,
+label and flag the manifests and the dashboard use exists, so renaming one in the code fails here."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.settings import env_name
-from daemonset.metrics import AgentMetrics
+from agent.drain.metrics import AgentMetrics
 from sidecar.engines import ENGINES
 from sidecar.metrics import SidecarMetrics
+from spotdrain.settings import env_name
 from tests.conftest import every_series
 from tests.deploy.manifests import (
     DEPLOY,
     ROOT,
+    SHIPPED,
     Invocation,
     grants,
     have_kubectl,
@@ -46,11 +47,11 @@ MARK = {("", "nodes", "get", None), ("", "nodes", "patch", None), ("", "events",
 DRAIN = {("", "pods", "list", None), ("", "pods/eviction", "create", None)}
 LOOKUP = {("", "nodes", "list", None)}
 AGENT_RBAC = {
-    ("agent", "spotdrain-node"): MARK | DRAIN,  # IMDS mode
-    ("overlays/imds-mode", "spotdrain-node"): MARK | DRAIN,
-    ("overlays/karpenter-interruption", "spotdrain-node"): MARK,  # --no-evict: Karpenter evicts
-    ("overlays/queue-mode", "spotdrain-node"): MARK,  # --no-evict: the queue Deployment evicts
-    ("overlays/queue-mode", "spotdrain-queue"): MARK | DRAIN | LOOKUP,
+    ("daemonset/base", "spotdrain-node"): MARK | DRAIN,  # IMDS mode
+    ("daemonset/imds-mode", "spotdrain-node"): MARK | DRAIN,
+    ("daemonset/karpenter-interruption", "spotdrain-node"): MARK,  # --no-evict: Karpenter evicts
+    ("daemonset/queue-mode", "spotdrain-node"): MARK,  # --no-evict: the queue Deployment evicts
+    ("daemonset/queue-mode", "spotdrain-queue"): MARK | DRAIN | LOOKUP,
 }
 METRIC = re.compile(r"\bspotdrain_[a-z0-9_]*[a-z0-9]\b")  # not a wildcard such as spotdrain_sidecar_*
 MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
@@ -69,14 +70,14 @@ def _core_calls_in(paths: list[Path]) -> dict[str, set[str]]:
 
 
 def test_every_kubernetes_call_of_the_agent_is_known_and_granted() -> None:
-    calls = _core_calls_in(sorted((ROOT / "daemonset").glob("*.py")))
+    calls = _core_calls_in(sorted((ROOT / "agent").rglob("*.py")))
     unknown = {method: files for method, files in calls.items() if method not in CORE_CALLS}
     assert unknown == {}, "a new Kubernetes call: add it to CORE_CALLS, AGENT_RBAC and the agents' RBAC"
     assert {CORE_CALLS[method] for method in calls} == {(r, v) for each in AGENT_RBAC.values() for _, r, v, _ in each}
 
 
 def test_events_are_created_in_the_namespace_the_role_grants() -> None:
-    source = (ROOT / "daemonset" / "nodes.py").read_text()
+    source = (ROOT / "agent" / "drain" / "nodes.py").read_text()
     namespaces = set(re.findall(r'create_namespaced_event\(\s*"([\w-]+)"', source))
     assert namespaces == {ns for _, resource, _, ns in MARK if resource == "events"}
 
@@ -91,7 +92,7 @@ def test_the_daemonset_may_not_list_nodes_in_any_kustomization() -> None:
         assert ("", "nodes", "list", None) not in grants(render(directory), "spotdrain", "spotdrain-node"), directory
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_inference_pods_may_patch_their_status_and_nothing_else(directory: str) -> None:
     gate = (ROOT / "sidecar" / "gate.py").read_text()
     assert re.search(r"/pods/\{pod\}/status", gate)
@@ -133,7 +134,7 @@ def _family_of(name: str, families: dict[str, dict[str, set[str]]]) -> str | Non
 
 
 def _deploy_texts() -> Iterator[tuple[str, str]]:
-    for path in sorted(DEPLOY.rglob("*")):
+    for path in sorted(path for top in SHIPPED for path in top.rglob("*")):
         if path.is_file() and path.suffix in (".yaml", ".json"):
             yield str(path.relative_to(ROOT)), path.read_text()
 
@@ -169,7 +170,7 @@ def test_the_dashboard_shows_every_series_of_the_agent_and_the_sidecar() -> None
 def test_ray_workers_read_vllms_gauges_under_the_names_ray_gives_them() -> None:
     vllm = ENGINES["vllm"]
     renamed = ",".join("ray_" + name.replace(":", "_") for name in (*vllm.required, *vllm.optional))
-    cluster = render("kuberay")
+    cluster = render("deploy/kuberay")
     for call in invocations(cluster):
         if call.subcommand == "sidecar":
             assert call.argv[call.argv.index("--in-flight-metric") + 1] == renamed
@@ -190,7 +191,7 @@ def _calls() -> list[Invocation]:
 
 
 def test_every_spotdrain_container_is_found() -> None:
-    render("agent")  # skips without kubectl
+    render("daemonset/base")  # skips without kubectl
     assert {call.subcommand for call in _calls()} == {"sidecar", "node", "cache"}
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from daemonset.cache_settings import CacheSettings
-from daemonset.settings import NodeSettings
+from agent.cache.settings import CacheSettings
+from agent.node_settings import NodeSettings
 from sidecar.gate import CONDITION
 from sidecar.settings import SidecarSettings
 from tests.deploy.manifests import (
@@ -25,7 +25,7 @@ from tests.deploy.manifests import (
     selects,
 )
 
-COMPOSED = ("overlays/imds-mode", "overlays/karpenter-interruption", "overlays/queue-mode", "kuberay")
+COMPOSED = ("daemonset/imds-mode", "daemonset/karpenter-interruption", "daemonset/queue-mode", "deploy/kuberay")
 ENGINE_EXIT_MARGIN_S = 10  # the grace period must outlast the drain by at least this much
 MODEL_CACHE = "/mnt/model-cache"
 GPU = "nvidia.com/gpu"
@@ -110,7 +110,7 @@ def test_pod_monitors_select_pods_that_expose_their_ports(directory: str) -> Non
 
 
 def test_the_scaled_object_targets_the_vllm_deployment_and_its_metrics() -> None:
-    objects = render("overlays/imds-mode")
+    objects = render("daemonset/imds-mode")
     scaled = one(objects, "ScaledObject", "vllm")
     target = one(objects, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
     assert namespace_of(target) == namespace_of(scaled)
@@ -133,7 +133,7 @@ def _projected_path(source: Obj) -> str:
 # The sidecar in each inference pod ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_the_engine_is_probed_and_stopped_through_the_sidecar(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -151,7 +151,7 @@ def test_the_engine_is_probed_and_stopped_through_the_sidecar(
         assert engine["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", f"{settings.drain.dir}/prestop"]
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_the_drain_directory_is_one_empty_dir_shared_by_engine_and_sidecar(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -165,7 +165,7 @@ def test_the_drain_directory_is_one_empty_dir_shared_by_engine_and_sidecar(
         assert "emptyDir" in template.volume(volumes.pop())
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_the_grace_period_outlasts_the_sidecars_drain(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -175,7 +175,7 @@ def test_the_grace_period_outlasts_the_sidecars_drain(
         assert template.spec["terminationGracePeriodSeconds"] >= math.ceil(timeout_s) + ENGINE_EXIT_MARGIN_S
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_the_readiness_gate_is_declared_where_the_sidecar_patches_it(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -195,7 +195,7 @@ def test_the_readiness_gate_is_declared_where_the_sidecar_patches_it(
             assert template.spec.get("automountServiceAccountToken", True), template.name
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_the_sidecar_runs_unprivileged_with_a_read_only_root(directory: str) -> None:
     for _, sidecar in _sidecar_pods(render(directory)):
         context = sidecar["securityContext"]
@@ -205,12 +205,12 @@ def test_the_sidecar_runs_unprivileged_with_a_read_only_root(directory: str) -> 
         assert not context["allowPrivilegeEscalation"]
 
 
-@pytest.mark.parametrize("directory", ["overlays/imds-mode", "kuberay"])
+@pytest.mark.parametrize("directory", ["daemonset/imds-mode", "deploy/kuberay"])
 def test_the_sidecars_notice_url_is_the_agent_endpoint_on_its_node(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     objects = render(directory)
-    agent = render("agent")
+    agent = render("daemonset/base")
     node: NodeSettings = parse(_agent_call(agent, "agent"), monkeypatch, capsys)
     notice = next(p for p in _agent_container(agent, "agent")["ports"] if p["containerPort"] == node.notice_port)
     assert notice["hostPort"] == node.notice_port
@@ -219,7 +219,7 @@ def test_the_sidecars_notice_url_is_the_agent_endpoint_on_its_node(
         assert url == f"http://10.0.0.1:{node.notice_port}/v1/notice"  # $(HOST_IP), from status.hostIP
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_the_sidecar_reads_the_engine_on_a_port_the_engine_exposes(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -229,11 +229,11 @@ def test_the_sidecar_reads_the_engine_on_a_port_the_engine_exposes(
         assert settings.engine.port in {p["containerPort"] for p in _engine(template).get("ports", [])}
 
 
-@pytest.mark.parametrize("directory", ["vllm", "kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
 def test_inference_pods_see_the_model_cache_the_agent_mounts(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    cache: CacheSettings = parse(_agent_call(render("agent"), "model-cache"), monkeypatch, capsys)
+    cache: CacheSettings = parse(_agent_call(render("daemonset/base"), "model-cache"), monkeypatch, capsys)
     path = str(cache.path)
     for template, _ in _sidecar_pods(render(directory)):
         mount = next(m for m in _engine(template)["volumeMounts"] if m["mountPath"] == path)
@@ -254,7 +254,7 @@ def _agent_call(objects: list[Obj], name: str) -> Any:
 
 
 def test_the_agents_probes_and_ports_are_the_ones_it_listens_on(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    objects = render("agent")
+    objects = render("daemonset/base")
     node: NodeSettings = parse(_agent_call(objects, "agent"), monkeypatch, capsys)
     template = next(t for t in pod_templates(objects) if t.owner["kind"] == "DaemonSet")
     agent = _agent_container(objects, "agent")
@@ -267,18 +267,18 @@ def test_the_agents_probes_and_ports_are_the_ones_it_listens_on(monkeypatch: pyt
 
 
 def test_the_agent_reaches_imds_from_the_host_network_and_runs_everywhere_it_must() -> None:
-    spec = one(render("agent"), "DaemonSet", "spotdrain-node")["spec"]["template"]["spec"]
+    spec = one(render("daemonset/base"), "DaemonSet", "spotdrain-node")["spec"]["template"]["spec"]
     assert spec["hostNetwork"] is True
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in spec["tolerations"]
-    hop_limit = one(render("karpenter"), "EC2NodeClass", "gpu-inference")["spec"]["metadataOptions"]
+    hop_limit = one(render("deploy/karpenter"), "EC2NodeClass", "gpu-inference")["spec"]["metadataOptions"]
     assert hop_limit["httpTokens"] == "required"
     assert hop_limit["httpPutResponseHopLimit"] == 1
 
 
 def test_only_the_cache_step_is_privileged(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    objects = render("agent")
+    objects = render("daemonset/base")
     init, agent = _agent_container(objects, "model-cache"), _agent_container(objects, "agent")
     assert init["command"] == ["spotdrain", "cache"]
     assert init["securityContext"]["privileged"] is True

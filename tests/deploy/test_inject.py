@@ -12,13 +12,13 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from agent import inject
-from agent.cli import build_parser, main
-from agent.inject import InjectError, Options
-from agent.inject_yaml import inject_text, split_documents
+from inject import pods
+from inject.manifest import inject_text, split_documents
+from inject.pods import InjectError, Options
 from sidecar.engines import ENGINES
 from sidecar.gate import CONDITION
 from sidecar.settings import SidecarSettings
+from spotdrain.cli import build_parser, main
 from tests.deploy.manifests import DEPLOY, Obj, PodTemplate, invocation, parse, pod_templates, schema_errors
 
 VLLM = """\
@@ -153,7 +153,7 @@ def _pod(pod: Obj) -> PodTemplate:
 @pytest.fixture(autouse=True)
 def _logging_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     # The command would point structlog at this test's captured stderr, which later tests would then write to.
-    monkeypatch.setattr("agent.cli.configure_logging", lambda **_: None)
+    monkeypatch.setattr("spotdrain.cli.configure_logging", lambda **_: None)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -164,11 +164,11 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 def test_inject_uses_the_names_the_sidecar_and_the_agent_use() -> None:
     sidecar, node = build_parser().parse_args(["sidecar"]), build_parser().parse_args(["node", "--node-name", "n"])
-    assert (sidecar.port, str(sidecar.drain_dir), CONDITION) == (inject.SIDECAR_PORT, inject.DRAIN_DIR, inject.GATE)
+    assert (sidecar.port, str(sidecar.drain_dir), CONDITION) == (pods.SIDECAR_PORT, pods.DRAIN_DIR, pods.GATE)
     assert Options().drain_timeout_s == sidecar.drain_timeout
-    assert f"http://$(HOST_IP):{node.notice_port}/v1/notice" == inject.DEFAULT_NOTICE_URL
+    assert f"http://$(HOST_IP):{node.notice_port}/v1/notice" == pods.DEFAULT_NOTICE_URL
     vllm = ENGINES["vllm"]
-    assert inject.RAY_VLLM_IN_FLIGHT.split(",") == [
+    assert pods.RAY_VLLM_IN_FLIGHT.split(",") == [
         "ray_" + n.replace(":", "_") for n in (*vllm.required, *vllm.optional)
     ]
 

@@ -9,14 +9,14 @@ import re
 import pytest
 import yaml
 
-from daemonset.cache_plan import PENDING_TAINT, READY_LABEL
+from agent.cache.plan import PENDING_TAINT, READY_LABEL
 from tests.deploy.manifests import CRDS, Obj, PodTemplate, one, pod_templates, render
 
 GPU = "nvidia.com/gpu"
 
 
 def _node_pool() -> Obj:
-    return one(render("karpenter"), "NodePool", "gpu-inference")
+    return one(render("deploy/karpenter"), "NodePool", "gpu-inference")
 
 
 # Nodes: taints, labels, instance types -----------------------------------------------------------------------------
@@ -33,7 +33,7 @@ def _tolerates(tolerations: list[Obj], taint: Obj) -> bool:
 
 
 def _gpu_pods() -> list[PodTemplate]:
-    templates = pod_templates(render("vllm")) + pod_templates(render("kuberay"))
+    templates = pod_templates(render("deploy/vllm")) + pod_templates(render("deploy/kuberay"))
     return [t for t in templates if any(GPU in (c.get("resources") or {}).get("limits", {}) for c in t.containers)]
 
 
@@ -79,7 +79,7 @@ def test_node_pool_requirements_use_karpenters_well_known_labels() -> None:
 
 
 def test_the_node_class_leaves_the_instance_store_to_the_model_cache() -> None:
-    spec = one(render("karpenter"), "EC2NodeClass", "gpu-inference")["spec"]
+    spec = one(render("deploy/karpenter"), "EC2NodeClass", "gpu-inference")["spec"]
     assert "instanceStorePolicy" not in spec
     assert spec["amiSelectorTerms"][0]["alias"].startswith("al2023@")
 
@@ -88,20 +88,20 @@ def test_the_node_class_leaves_the_instance_store_to_the_model_cache() -> None:
 
 
 def _serve_config() -> Obj:
-    config_map = one(render("kuberay"), "ConfigMap", "ray-serve-llm")
+    config_map = one(render("deploy/kuberay"), "ConfigMap", "ray-serve-llm")
     config: Obj = yaml.safe_load(config_map["data"]["llm.yaml"])
     return config
 
 
 def test_ray_groups_give_ray_exactly_the_gpus_kubernetes_gives_the_pod() -> None:
-    for template in pod_templates(render("kuberay")):
+    for template in pod_templates(render("deploy/kuberay")):
         assert template.ray_params is not None
         limits = (template.containers[0].get("resources") or {}).get("limits", {})
         assert float(limits.get(GPU, 0)) == float(template.ray_params.get("num-gpus", 0)), template.name
 
 
 def test_fractional_replicas_fit_the_worker_gpus() -> None:
-    cluster = one(render("kuberay"), "RayCluster", "llm")
+    cluster = one(render("deploy/kuberay"), "RayCluster", "llm")
     workers = cluster["spec"]["workerGroupSpecs"]
     gpus = sum(float(g["rayStartParams"]["num-gpus"]) * g["minReplicas"] for g in workers)
     for llm in _serve_config()["applications"][0]["args"]["llm_configs"]:

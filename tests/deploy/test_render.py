@@ -1,4 +1,4 @@
-"""Every kustomization under deploy/ renders, and the overlays compose what their comments promise."""
+"""Every kustomization under deploy/ and daemonset/ renders, and the overlays compose what their comments promise."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.manifests import DEPLOY, ROOT, Obj, kustomizations, named, one, render
+from tests.deploy.manifests import DEPLOY, ROOT, SHIPPED, Obj, kustomizations, named, one, render
 
-OVERLAYS = ("overlays/imds-mode", "overlays/karpenter-interruption", "overlays/queue-mode")
+OVERLAYS = ("daemonset/imds-mode", "daemonset/karpenter-interruption", "daemonset/queue-mode")
 
 
 def _env(objects: list[Obj], kind: str, name: str, container: str) -> dict[str, Any]:
@@ -21,18 +21,20 @@ def _env(objects: list[Obj], kind: str, name: str, container: str) -> dict[str, 
 
 def test_every_directory_with_kubernetes_objects_has_a_kustomization() -> None:
     yaml_dirs = {
-        str(path.parent.relative_to(DEPLOY)) for path in DEPLOY.rglob("*.yaml") if path.parent.name not in ("aws",)
+        str(path.parent.relative_to(ROOT))
+        for top in SHIPPED
+        for path in top.rglob("*.yaml")
+        if path.parent.name not in ("aws",)
     }
     assert yaml_dirs <= set(kustomizations())
-    assert {"karpenter", "agent", "agent/queue", "vllm", "keda", "kuberay", "grafana", *OVERLAYS} <= set(
-        kustomizations()
-    )
+    shipped = {f"deploy/{name}" for name in ("karpenter", "vllm", "keda", "kuberay", "grafana")}
+    assert {*shipped, "daemonset/base", "daemonset/queue", *OVERLAYS} <= set(kustomizations())
 
 
 @pytest.mark.parametrize("directory", kustomizations())
 def test_the_kustomization_renders_objects_with_unique_names(directory: str) -> None:
     objects = render(directory)
-    assert objects, f"deploy/{directory} renders nothing"
+    assert objects, f"{directory} renders nothing"
     ids = Counter((o["apiVersion"], o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects)
     assert [key for key, count in ids.items() if count > 1] == []
 
@@ -52,20 +54,20 @@ def test_each_overlay_brings_the_node_pool_the_agent_and_the_inference_service(o
 
 
 def test_keda_owns_the_replica_count_in_the_overlays() -> None:
-    assert "replicas" in one(render("vllm"), "Deployment", "vllm")["spec"]
-    assert "replicas" not in one(render("overlays/imds-mode"), "Deployment", "vllm")["spec"]
+    assert "replicas" in one(render("deploy/vllm"), "Deployment", "vllm")["spec"]
+    assert "replicas" not in one(render("daemonset/imds-mode"), "Deployment", "vllm")["spec"]
 
 
 def test_only_imds_mode_lets_the_node_agents_evict() -> None:
-    assert "SPOTDRAIN_EVICT" not in _env(render("overlays/imds-mode"), "DaemonSet", "spotdrain-node", "agent")
-    for overlay in ("overlays/karpenter-interruption", "overlays/queue-mode"):
+    assert "SPOTDRAIN_EVICT" not in _env(render("daemonset/imds-mode"), "DaemonSet", "spotdrain-node", "agent")
+    for overlay in ("daemonset/karpenter-interruption", "daemonset/queue-mode"):
         assert _env(render(overlay), "DaemonSet", "spotdrain-node", "agent")["SPOTDRAIN_EVICT"] == "false"
 
 
 def test_the_queue_consumer_runs_only_in_queue_mode_and_reads_the_overlays_queue() -> None:
-    assert named(render("overlays/imds-mode"), "Deployment", "spotdrain-queue") == []
-    assert named(render("overlays/karpenter-interruption"), "Deployment", "spotdrain-queue") == []
-    objects = render("overlays/queue-mode")
+    assert named(render("daemonset/imds-mode"), "Deployment", "spotdrain-queue") == []
+    assert named(render("daemonset/karpenter-interruption"), "Deployment", "spotdrain-queue") == []
+    objects = render("daemonset/queue-mode")
     queue = one(objects, "Deployment", "spotdrain-queue")
     assert queue["spec"]["replicas"] == 2
     config_maps = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("spotdrain-q")]
@@ -79,7 +81,7 @@ def test_the_dashboard_is_json_that_grafana_imports() -> None:
     assert dashboard["uid"] == "spotdrain"
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
-    config_map = one(render("grafana"), "ConfigMap", "spotdrain-dashboard")
+    config_map = one(render("deploy/grafana"), "ConfigMap", "spotdrain-dashboard")
     assert json.loads(config_map["data"]["spotdrain.json"]) == dashboard
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
 

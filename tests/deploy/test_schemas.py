@@ -28,7 +28,7 @@ def test_every_rendered_object_fits_the_schema_of_its_kind(directory: str) -> No
     }
     assert problems == {}
     if len(checkable) < len(render(directory)):
-        pytest.skip(f"no CRDs in {CRDS}: the custom kinds of deploy/{directory} were not validated")
+        pytest.skip(f"no CRDs in {CRDS}: the custom kinds of {directory} were not validated")
 
 
 def test_the_shared_crds_cover_every_custom_kind_deploy_uses() -> None:
@@ -42,7 +42,7 @@ def test_the_shared_crds_cover_every_custom_kind_deploy_uses() -> None:
 def test_a_misspelt_node_pool_field_is_refused() -> None:
     if not CRDS.is_dir():
         pytest.skip(f"no CRDs in {CRDS}")
-    pool = copy.deepcopy(one(render("karpenter"), "NodePool", "gpu-inference"))
+    pool = copy.deepcopy(one(render("deploy/karpenter"), "NodePool", "gpu-inference"))
     pool["spec"]["template"]["spec"]["startupTaint"] = pool["spec"]["template"]["spec"].pop("startupTaints")
     assert any("startupTaint" in error for error in schema_errors(pool))
 
@@ -50,13 +50,13 @@ def test_a_misspelt_node_pool_field_is_refused() -> None:
 def test_a_wrong_value_type_in_a_ray_pod_template_is_refused() -> None:
     if not CRDS.is_dir():
         pytest.skip(f"no CRDs in {CRDS}")
-    cluster = copy.deepcopy(one(render("kuberay"), "RayCluster", "llm"))
+    cluster = copy.deepcopy(one(render("deploy/kuberay"), "RayCluster", "llm"))
     cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["terminationGracePeriodSeconds"] = "130"
     assert schema_errors(cluster) != []
 
 
 def test_an_unknown_field_in_a_core_object_is_refused() -> None:
-    deployment = copy.deepcopy(one(render("vllm"), "Deployment", "vllm"))
+    deployment = copy.deepcopy(one(render("deploy/vllm"), "Deployment", "vllm"))
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 130
     assert schema_errors(deployment) != []
 

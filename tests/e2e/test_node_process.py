@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.clock import utcnow
-from agent.fakes.imds import FakeImds, serving
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, start, status_of, wait_http
+from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, start, status_of, wait_http
+from spotdrain.clock import utcnow
 
 pytestmark = pytest.mark.e2e
 INSTANCE = "i-0123456789abcdef0"
@@ -33,7 +33,7 @@ async def test_the_agent_process_acts_on_a_notice_and_stops_cleanly_on_sigterm(t
         metrics_port, notice_port = free_port(), free_port()
         args = [
             "-m",
-            "agent.cli",
+            "spotdrain.cli",
             "--log-format",
             "json",
             "node",

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.clock import utcnow
-from agent.fakes.imds import FakeImds, serving
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, start
+from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, start
+from spotdrain.clock import utcnow
 
 pytestmark = pytest.mark.e2e
 INSTANCE = "i-0123456789abcdef0"
@@ -23,7 +23,7 @@ PODS = ("vllm-0", "vllm-1")
 
 def agent_args(kubeconfig: Path, imds_url: str) -> list[str]:
     return [
-        *("-m", "agent.cli", "--log-format", "json", "node", "--node-name", "gpu-1", "--imds-url", imds_url),
+        *("-m", "spotdrain.cli", "--log-format", "json", "node", "--node-name", "gpu-1", "--imds-url", imds_url),
         *("--imds-interval", "0.1", "--kubeconfig", str(kubeconfig), "--host", "127.0.0.1", "--no-model-cache"),
         *("--metrics-port", str(free_port()), "--notice-port", str(free_port()), "--eviction-delay", "0.2"),
     ]

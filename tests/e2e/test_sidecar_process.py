@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import engine_args, free_port, sidecar_args, start, status_of, stream, wait_http
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import engine_args, free_port, sidecar_args, start, status_of, stream, wait_http
 from tests.conftest import until
 
 pytestmark = pytest.mark.e2e

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.simulation.report import render
-from agent.simulation.run import RunResult, simulate
-from agent.simulation.settings import SimulationSettings, Timings
+from simulate.report import render
+from simulate.run import RunResult, simulate
+from simulate.settings import SimulationSettings, Timings
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +95,7 @@ def test_the_command_prints_the_result_as_json_and_draws_the_page(tmp_path: Path
     page = tmp_path / "run.html"
     flags = ["--pods", "1", "--streams-per-pod", "2", "--notice-seconds", "12", "--json", "--html", str(page)]
     done = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "simulate", *flags, "--log-dir", str(tmp_path / "logs")],
+        [sys.executable, "-m", "spotdrain.cli", "simulate", *flags, "--log-dir", str(tmp_path / "logs")],
         capture_output=True,
         text=True,
         timeout=80,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import boto3
 import pytest
 
-from agent.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
+from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient

@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.fakes.kube import FakeKube
-from agent.metrics import CollectorRegistry
-from agent.ratelimit import RateLimiter
-from daemonset.cache import Completed, RecordingRunner, discover, execute, select_devices
-from daemonset.cache_main import CacheMetrics, prepare_cache
-from daemonset.cache_plan import (
+from agent.cache.disks import Completed, RecordingRunner, discover, execute, select_devices
+from agent.cache.plan import (
     PENDING_TAINT,
     READY_LABEL,
     CacheError,
@@ -27,8 +23,12 @@ from daemonset.cache_plan import (
     parse_mountinfo,
     plan_cache,
 )
-from daemonset.cache_settings import CacheSettings
-from daemonset.nodes import KubeActions, api_client
+from agent.cache.run import CacheMetrics, prepare_cache
+from agent.cache.settings import CacheSettings
+from agent.drain.nodes import KubeActions, api_client
+from simulate.fakes.kube import FakeKube
+from spotdrain.metrics import CollectorRegistry
+from spotdrain.ratelimit import RateLimiter
 
 SIZE = 300 * 1024 * 1024  # mkfs.xfs wants at least 300 MB
 NODE = "gpu-1"

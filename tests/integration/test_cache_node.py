@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.fakes.kube import FakeKube
-from agent.ratelimit import RateLimiter
-from daemonset.cache import update_node
-from daemonset.cache_main import prepare_cache
-from daemonset.cache_plan import NOTHING_TO_DO, PENDING_TAINT, READY_LABEL, CacheError, Outcome
-from daemonset.cache_settings import CacheSettings
-from daemonset.nodes import KubeActions, api_client
+from agent.cache.disks import update_node
+from agent.cache.plan import NOTHING_TO_DO, PENDING_TAINT, READY_LABEL, CacheError, Outcome
+from agent.cache.run import prepare_cache
+from agent.cache.settings import CacheSettings
+from agent.drain.nodes import KubeActions, api_client
+from simulate.fakes.kube import FakeKube
+from spotdrain.ratelimit import RateLimiter
 
 NODE = "gpu-1"
 NODE_PATH = r"/api/v1/nodes/gpu-1$"
@@ -131,7 +131,7 @@ async def test_spotdrain_cache_exits_non_zero_with_the_failed_step_and_leaves_th
     argv = ["cache", "--model-cache-devices", missing, "--model-cache-path", str(tmp_path / "cache")]
     argv += ["--node-name", NODE, "--kubeconfig", str(kubeconfig)]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agent.cli", *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable, "-m", "spotdrain.cli", *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     _, err = await process.communicate()
     assert process.returncode == 1

@@ -4,9 +4,9 @@ import asyncio
 
 import aiohttp
 
-from agent.fakes.engine import EngineConfig
-from agent.fakes.processes import free_port, stream
 from sidecar.engines import ENGINES, read_engine
+from simulate.fakes.engine import EngineConfig
+from simulate.fakes.processes import free_port, stream
 from tests.conftest import running_engine, scrape
 
 

@@ -16,8 +16,8 @@ import pytest
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.rest import ApiException
 
-from agent.fakes.kube import FakeKube
-from agent.kube_rest import InCluster, patch
+from simulate.fakes.kube import FakeKube
+from spotdrain.kube_rest import InCluster, patch
 
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"

@@ -15,7 +15,7 @@ import pytest
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.rest import ApiException
 
-from agent.fakes.kube import FakeKube
+from simulate.fakes.kube import FakeKube
 
 GATE = "spotdrain.io/serving"
 LABELS = {"app": "vllm"}

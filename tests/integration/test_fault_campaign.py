@@ -7,8 +7,8 @@ import concurrent.futures
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.fakes.aws import MotoServer
-from agent.fakes.campaign import KINDS, campaign, report
+from simulate.campaign import KINDS, campaign, report
+from simulate.fakes.aws import MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from agent.fakes.imds import FakeImds, control, serving
-from agent.fakes.processes import free_port, start, wait_http
-from agent.metrics import CollectorRegistry
-from daemonset.imds import ERROR_KINDS, ImdsClient, ImdsError, ImdsMetrics, ImdsSource
-from daemonset.imds_parse import INSTANCE_ID, SPOT, TOKEN
-from daemonset.notice import Kind, Notice
+from agent.notices.imds import ERROR_KINDS, ImdsClient, ImdsError, ImdsMetrics, ImdsSource
+from agent.notices.imds_parse import INSTANCE_ID, SPOT, TOKEN
+from agent.notices.notice import Kind, Notice
+from simulate.fakes.imds import FakeImds, control, serving
+from simulate.fakes.processes import free_port, start, wait_http
+from spotdrain.metrics import CollectorRegistry
 
 NOTICE_TIME = datetime(2026, 11, 29, 10, 22, tzinfo=UTC)
 
@@ -136,7 +136,7 @@ async def test_the_fake_is_driven_over_http(url: str, session: aiohttp.ClientSes
 
 async def test_the_fake_runs_as_its_own_process(tmp_path: Path, session: aiohttp.ClientSession) -> None:
     port = free_port()
-    process = await start(["-m", "agent.fakes.imds", "--port", str(port)], log_path=tmp_path / "imds.log")
+    process = await start(["-m", "simulate.fakes.imds", "--port", str(port)], log_path=tmp_path / "imds.log")
     try:
         base_url = f"http://127.0.0.1:{port}"
         await wait_http(base_url + INSTANCE_ID, status=401)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.fakes.kube import FakeKube
-from agent.ratelimit import RateLimiter
-from agent.retry import ApiError, retrying
-from daemonset.nodes import KubeActions, api_client
+from agent.drain.nodes import KubeActions, api_client
+from simulate.fakes.kube import FakeKube
+from spotdrain.ratelimit import RateLimiter
+from spotdrain.retry import ApiError, retrying
 
 TIMEOUT_S = 0.5
 

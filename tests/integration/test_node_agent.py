@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.clock import rfc3339, utcnow
-from agent.fakes.imds import FakeImds, serving
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, status_of
-from daemonset.planning import ADDED, TAINT_KEY, TERMINATION_TIME
+from agent.drain.planning import ADDED, TAINT_KEY, TERMINATION_TIME
+from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, status_of
+from spotdrain.clock import rfc3339, utcnow
 from tests.conftest import node_agent, until
 from tests.deploy.manifests import grants, needed, render
 
@@ -215,7 +215,11 @@ async def test_a_failed_model_cache_keeps_its_startup_taint_and_notices_are_stil
 
 @pytest.mark.parametrize(
     ("flags", "directory"),
-    [((), "agent"), (("--no-evict",), "overlays/karpenter-interruption"), (("--no-evict",), "overlays/queue-mode")],
+    [
+        ((), "daemonset/base"),
+        (("--no-evict",), "daemonset/karpenter-interruption"),
+        (("--no-evict",), "daemonset/queue-mode"),
+    ],
 )
 async def test_imds_mode_calls_exactly_what_its_account_is_granted(
     kube: FakeKube, tmp_path: Path, flags: tuple[str, ...], directory: str

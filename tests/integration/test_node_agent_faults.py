@@ -12,11 +12,11 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from agent.clock import utcnow
-from agent.fakes.imds import FakeImds, serving
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, status_of
-from daemonset.imds import ImdsSource
+from agent.notices.imds import ImdsSource
+from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, status_of
+from spotdrain.clock import utcnow
 from tests.conftest import until
 from tests.integration.test_node_agent import GPU_TAINT, INSTANCE, agent, containers_exit_soon, cordoned
 

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.clock import rfc3339, utcnow
-from agent.fakes.aws import REGION, MotoServer
-from agent.fakes.events import eventbridge, health_change, spot_warning, state_change
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import status_of
-from daemonset.planning import NOTICE_ID, TAINT_KEY
+from agent.drain.planning import NOTICE_ID, TAINT_KEY
+from simulate.fakes.aws import REGION, MotoServer
+from simulate.fakes.events import eventbridge, health_change, spot_warning, state_change
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import status_of
+from spotdrain.clock import rfc3339, utcnow
 from tests.conftest import node_agent, until
 from tests.deploy.manifests import grants, needed, render
 
@@ -147,7 +147,7 @@ async def test_an_event_within_its_deadline_is_timed_from_the_event_not_from_rec
     assert (
         abs(
             (
-                utcnow() + timedelta(seconds=120) - __import__("agent.clock").clock.parse_rfc3339(annotation)
+                utcnow() + timedelta(seconds=120) - __import__("spotdrain.clock").clock.parse_rfc3339(annotation)
             ).total_seconds()
         )
         < 10
@@ -241,7 +241,7 @@ async def test_a_late_notice_for_an_instance_whose_node_name_was_reused_touches_
 async def test_queue_mode_calls_exactly_what_its_account_is_granted(
     kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
-    granted = grants(render("overlays/queue-mode"), "spotdrain", "spotdrain-queue")
+    granted = grants(render("daemonset/queue-mode"), "spotdrain", "spotdrain-queue")
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_4d5e6f"
 

@@ -14,13 +14,13 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from agent.cli import build_parser
-from agent.fakes.engine import EngineConfig
-from agent.fakes.kube import FakeKube
-from agent.fakes.processes import free_port, status_of, stream
 from sidecar.main import run
 from sidecar.record import DrainRecord, write_record
 from sidecar.settings import from_arguments
+from simulate.fakes.engine import EngineConfig
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import free_port, status_of, stream
+from spotdrain.cli import build_parser
 from tests.conftest import running_engine, scrape
 
 

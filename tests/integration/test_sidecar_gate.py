@@ -13,12 +13,12 @@ import pytest
 import yaml
 from structlog.testing import capture_logs
 
-from agent.fakes.engine import EngineConfig
-from agent.fakes.kube import FakeKube
-from agent.inject import Options
-from agent.inject_yaml import inject_text
-from agent.kube_rest import InCluster, patch
-from agent.retry import ApiError
+from inject.manifest import inject_text
+from inject.pods import Options
+from simulate.fakes.engine import EngineConfig
+from simulate.fakes.kube import FakeKube
+from spotdrain.kube_rest import InCluster, patch
+from spotdrain.retry import ApiError
 from tests.conftest import running_engine
 from tests.deploy.test_inject import VLLM
 from tests.integration.test_sidecar import Sidecar, sidecar

@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from agent.fakes.processes import free_port
-from agent.metrics import CollectorRegistry
 from sidecar.draining import drain_deadline
 from sidecar.engine_client import EngineClient, engine_session
 from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
 from sidecar.notices import NoticeError, notice_watcher, parse_notice
 from sidecar.settings import DrainSettings, EngineSettings
+from simulate.fakes.processes import free_port
+from spotdrain.metrics import CollectorRegistry
 from tests.unit.test_notices import JSON, NOTICE_LIKE
 
 SPOT = b'{"id":"2","kind":"spot-interruption","deadline":"2099-01-01T00:00:00Z","source":"imds"}'

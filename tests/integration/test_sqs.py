@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.fakes.aws import REGION, MotoServer
-from agent.fakes.events import eventbridge
-from agent.metrics import CollectorRegistry
-from daemonset.notice import Kind, Notice
-from daemonset.sqs import SqsMetrics, SqsSource
+from agent.notices.notice import Kind, Notice
+from agent.notices.sqs import SqsMetrics, SqsSource
+from simulate.fakes.aws import REGION, MotoServer
+from simulate.fakes.events import eventbridge
+from spotdrain.metrics import CollectorRegistry
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient

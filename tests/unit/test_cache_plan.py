@@ -8,10 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.cli import build_parser
-from agent.fakes.kube_patch import merge_patch
-from agent.settings import SettingsError
-from daemonset.cache_plan import (
+from agent.cache.plan import (
     NOTHING_TO_DO,
     PENDING_TAINT,
     READY_LABEL,
@@ -26,7 +23,10 @@ from daemonset.cache_plan import (
     plan_node_update,
     recorded_uuids,
 )
-from daemonset.cache_settings import CacheSettings, command_from_arguments
+from agent.cache.settings import CacheSettings, command_from_arguments
+from simulate.fakes.kube_patch import merge_patch
+from spotdrain.cli import build_parser
+from spotdrain.settings import SettingsError
 
 SETTINGS = CacheSettings(
     enabled=True,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from agent.metrics import CollectorRegistry
-from daemonset.eviction import Drainer, DrainPolicy
-from daemonset.metrics import AgentMetrics
+from agent.drain.eviction import Drainer, DrainPolicy
+from agent.drain.metrics import AgentMetrics
+from spotdrain.metrics import CollectorRegistry
 from tests.unit.test_handler import T0, RecordingActions, clock
 
 

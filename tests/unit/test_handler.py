@@ -11,16 +11,16 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.fakes.kube_patch import merge_patch
-from agent.metrics import CollectorRegistry
-from agent.retry import ApiError
-from daemonset.board import NoticeBoard
-from daemonset.eviction import Drainer, DrainPolicy
-from daemonset.handler import HandlerPolicy, NodeHandler
-from daemonset.metrics import AgentMetrics
-from daemonset.nodes import DryRunActions, NodeActions, NodeIndex
-from daemonset.notice import Kind, Notice, Source
-from daemonset.planning import MIRROR, TAINT_KEY
+from agent.drain.board import NoticeBoard
+from agent.drain.eviction import Drainer, DrainPolicy
+from agent.drain.handler import HandlerPolicy, NodeHandler
+from agent.drain.metrics import AgentMetrics
+from agent.drain.nodes import DryRunActions, NodeActions, NodeIndex
+from agent.drain.planning import MIRROR, TAINT_KEY
+from agent.notices.notice import Kind, Notice, Source
+from simulate.fakes.kube_patch import merge_patch
+from spotdrain.metrics import CollectorRegistry
+from spotdrain.retry import ApiError
 
 T0 = datetime(2026, 11, 29, 10, 20, tzinfo=UTC)
 

@@ -8,10 +8,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent.retry import ApiError
-from daemonset.handler import NodeHandler
-from daemonset.notice import Kind
-from daemonset.progress import Progress, Watched
+from agent.drain.handler import NodeHandler
+from agent.drain.progress import Progress, Watched
+from agent.notices.notice import Kind
+from spotdrain.retry import ApiError
 from tests.unit.test_handler import RecordingAck, RecordingActions, handler_for, spot
 
 

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.fakes.imds import maintenance_time
-from daemonset.imds_parse import (
+from agent.notices.imds_parse import (
     INSTANCE_ID,
     LIFECYCLE,
     MAINTENANCE,
@@ -27,7 +26,8 @@ from daemonset.imds_parse import (
     parse_time,
     parse_token,
 )
-from daemonset.notice import Kind, Source
+from agent.notices.notice import Kind, Source
+from simulate.fakes.imds import maintenance_time
 
 INSTANCE = "i-0123456789abcdef0"
 NOW = datetime(2026, 11, 29, 10, 20, 5, tzinfo=UTC)

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.fakes import kube_objects
-from agent.fakes.kube_patch import apply_patch, json_patch, merge_patch, strategic_merge
-from agent.fakes.kube_select import KubeError, labels_match, parse_field_selector, parse_label_selector
-from agent.fakes.kube_store import NODES, PODS, confine, disruption_budget, eviction_refusal, route
+from simulate.fakes import kube_objects
+from simulate.fakes.kube_budget import disruption_budget, eviction_refusal
+from simulate.fakes.kube_patch import apply_patch, json_patch, merge_patch, strategic_merge
+from simulate.fakes.kube_select import KubeError, labels_match, parse_field_selector, parse_label_selector
+from simulate.fakes.kube_store import NODES, PODS, confine, route
 
 NOW = datetime(2026, 11, 29, 10, 22, tzinfo=UTC)
 LABELS = {"app": "web", "tier": "front", "version": "3", "example.com/team": "ml"}

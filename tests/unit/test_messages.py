@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemonset.messages import Ignored, Invalid, LifecycleAction, Notices, Parsed, parse
-from daemonset.notice import Kind, Source
+from agent.notices.messages import Ignored, Invalid, LifecycleAction, Notices, Parsed, parse
+from agent.notices.notice import Kind, Source
 
 INSTANCE = "i-1234567890abcdef0"
 TOKEN = "0befcbdb-6ecd-498a-9ff7-ae9b54447cd6"

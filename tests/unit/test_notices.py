@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemonset.notice import Kind, Notice, Source
+from agent.notices.notice import Kind, Notice, Source
 from sidecar.notices import DEFINITIVE, NodeNotice, NoticeError, parse_notice
 
 # Any JSON value, and objects shaped like a notice whose fields hold any JSON value or a likely string.

@@ -5,18 +5,63 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
+from spotdrain.cli import _installed
+from tests.unit.import_graph import PROGRAMS, copied_packages
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_sidecar_imports_nothing_from_the_node_agents_dependencies() -> None:
-    code = (
-        "import sys, agent.cli, sidecar.main\n"
-        "agent.cli.build_parser()  # every subcommand's flags, as `spotdrain sidecar` builds them\n"
-        "heavy = [m for m in ('boto3', 'botocore', 'kubernetes_asyncio', 'yaml') if m in sys.modules]\n"
-        "print(','.join(heavy))"
+# Runs before the code under test: the project's packages an image does not copy cannot be imported, as in the image.
+ABSENT = """
+import sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name.partition(".")[0])
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def _in_image(dockerfile: str, code: str) -> list[str]:
+    """What ``code`` prints, run with only the packages ``dockerfile`` copies (and every third-party module)."""
+    absent = sorted(set(PROGRAMS) - copied_packages(dockerfile))
+    program = f"ABSENT = {absent!r}\n{ABSENT}\n{code}"
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout.split()
+
+
+COMMANDS = "print(*spotdrain.cli.build_parser()._subparsers._group_actions[0].choices)\n"
+
+
+def test_the_sidecar_image_has_its_command_and_nothing_of_the_node_agent_or_its_dependencies() -> None:
+    assert copied_packages("Dockerfile.sidecar") == {"spotdrain", "sidecar"}
+    loaded = _in_image(
+        "Dockerfile.sidecar",
+        "import spotdrain.cli, sidecar.main\n"
+        + COMMANDS
+        + "spotdrain.cli.build_parser().parse_args(['sidecar', '--engine', 'vllm'])\n"
+        "print(*[m for m in ('boto3', 'botocore', 'kubernetes_asyncio', 'yaml') if m in sys.modules])\n",
     )
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == ""
+    assert loaded == ["sidecar"]
+
+
+def test_the_agent_image_has_the_node_and_cache_commands_and_no_sidecar() -> None:
+    assert copied_packages("Dockerfile.agent") == {"spotdrain", "agent"}
+    commands = _in_image("Dockerfile.agent", "import spotdrain.cli, agent.main, agent.cache.run\n" + COMMANDS)
+    assert commands == ["node", "cache"]
+
+
+def test_a_program_that_is_not_installed_has_no_command_but_a_missing_dependency_still_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _installed("spotdrain_program_not_here.settings") is None
+    (tmp_path / "broken_program").mkdir()
+    (tmp_path / "broken_program" / "__init__.py").write_text("")
+    (tmp_path / "broken_program" / "settings.py").write_text("import dependency_not_installed_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="dependency_not_installed_anywhere"):
+        _installed("broken_program.settings")
 
 
 def test_the_base_install_is_the_sidecars_and_the_node_agent_needs_an_extra() -> None:

@@ -7,9 +7,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.fakes.kube_patch import merge_patch as merge
-from daemonset.notice import Kind, Notice, Source
-from daemonset.planning import (
+from agent.drain.planning import (
     ADDED,
     NOTICE_ID,
     TAINT_KEY,
@@ -22,6 +20,8 @@ from daemonset.planning import (
     resumed,
     skip_reason,
 )
+from agent.notices.notice import Kind, Notice, Source
+from simulate.fakes.kube_patch import merge_patch as merge
 
 NOW = datetime(2026, 11, 29, 10, 20, tzinfo=UTC)
 SPOT = Notice(Kind.SPOT_INTERRUPTION, "i-0abc", NOW + timedelta(seconds=120), Source.IMDS, detail="terminate")

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import build_parser, main
-from agent.settings import SettingsError, env_name
-from daemonset.settings import NodeSettings
-from daemonset.settings import from_arguments as node_from_arguments
+from agent.node_settings import NodeSettings
+from agent.node_settings import from_arguments as node_from_arguments
 from sidecar.settings import SidecarSettings, from_arguments
+from spotdrain.cli import build_parser, main
+from spotdrain.settings import SettingsError, env_name
 
 
 def settings_for(*argv: str) -> SidecarSettings:

@@ -13,18 +13,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.settings import SettingsError
-from agent.simulation import cli, run
-from agent.simulation.load import parse_line
-from agent.simulation.observe import agent_note, node_marks, sidecar_note
-from agent.simulation.page import render_html
-from agent.simulation.report import as_json, render
-from agent.simulation.run import RunResult
-from agent.simulation.scenarios import SCENARIOS, judge
-from agent.simulation.settings import ENGINE_EXIT_MARGIN_S, SimulationSettings, Timings, add_arguments, from_arguments
-from agent.simulation.summary import Facts, summarize
-from agent.simulation.timeline import Event, Kind, Outcome, Recorder, StreamRecord, stream_event
 from sidecar.draining import ENGINE_EXIT_MARGIN
+from simulate import cli, run
+from simulate.load import parse_line
+from simulate.observe import agent_note, node_marks, sidecar_note
+from simulate.page import render_html
+from simulate.report import as_json, render
+from simulate.run import RunResult
+from simulate.scenarios import SCENARIOS, judge
+from simulate.settings import ENGINE_EXIT_MARGIN_S, SimulationSettings, Timings, add_arguments, from_arguments
+from simulate.summary import Facts, summarize
+from simulate.timeline import Event, Kind, Outcome, Recorder, StreamRecord, stream_event
+from spotdrain.settings import SettingsError
 
 PODS = ["vllm-0", "vllm-1"]
 MARKED_ONCE = Facts(node_patches=1, node_events=1, rerouted=0)

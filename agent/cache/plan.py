@@ -1,0 +1,268 @@
+"""Pure decisions of the model cache: which commands bring the disks to a mounted cache, and how the node changes.
+
+``plan_cache`` is a function of what probing found (each disk's signature from ``blkid``, what is mounted at the cache
+path, the assembled array, the recorded array configuration). It returns the steps still needed, as data; the I/O
+layer runs them, probes again and plans again until nothing is left, so a ready node gets an empty plan and its disks
+are not written to. Reassembling an array is planned alone: the filesystem on it is known only once it is back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from agent.cache.settings import CacheSettings
+
+LABEL = "model-cache"  # the cache filesystem's label; xfs labels hold at most 12 characters
+READY_LABEL = "spotdrain.io/model-cache"
+PENDING_TAINT = "spotdrain.io/model-cache-pending"
+RAID_MEMBER = "linux_raid_member"
+NOTHING_TO_DO = "no instance-store disks: nothing to do"
+
+
+class CacheError(Exception):
+    """A step failed: which one, on which device, and what the command said."""
+
+    def __init__(self, step: str, device: str, output: str) -> None:
+        super().__init__(f"model cache: {step} failed on {device}: {output}")
+        self.step = step
+        self.device = device
+        self.output = output
+
+
+@dataclass(frozen=True)
+class Disk:
+    """A block device as probed; ``real`` is its path with symlinks resolved, as mount tables name it."""
+
+    path: str
+    real: str
+    fstype: str | None = None
+    label: str | None = None
+    uuid: str | None = None
+    ptable: str | None = None
+
+    @property
+    def blank(self) -> bool:
+        return self.fstype is None and self.ptable is None
+
+    def describe(self) -> str:
+        if self.ptable is not None:
+            return f"a {self.ptable} partition table"
+        label = f" (label {self.label!r})" if self.label else ""
+        return f"{self.fstype}{label}" if self.fstype else "nothing"
+
+
+@dataclass(frozen=True)
+class Mounted:
+    source: str
+    fstype: str
+
+
+@dataclass(frozen=True)
+class ProbeState:
+    disks: Mapping[str, Disk]
+    mounted: Mounted | None = None  # what is mounted at the cache path
+    array: Disk | None = None  # /dev/md/<name>, when it is assembled
+    recorded: str | None = None  # the recorded array configuration (mdadm.conf lines)
+
+
+@dataclass(frozen=True)
+class Step:
+    action: str  # a short name: wipe, create-array, assemble-array, record-array, format, mkdir, mount
+    device: str
+    argv: tuple[str, ...]
+    description: str
+    stdout_to: str | None = None  # the command's output is written to this file (the array's record)
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[Step, ...]
+    reason: str
+    target: str | None  # the block device that is (or is to be) mounted; None: no cache on this node
+
+
+@dataclass(frozen=True)
+class _Layout:
+    steps: list[Step] = field(default_factory=list)
+    target: Disk | None = None  # None while the array is being reassembled
+    reason: str = ""
+
+
+def plan_cache(devices: Sequence[str], state: ProbeState, settings: CacheSettings) -> Plan:
+    """The steps still needed to mount the cache; raises CacheError where going on would destroy foreign data."""
+    if not devices:
+        return Plan((), NOTHING_TO_DO, None)
+    if len(devices) == 1:
+        array = _Layout(target=state.disks[devices[0]], reason="a single disk")
+    else:
+        array = _plan_array([state.disks[d] for d in devices], state, settings)
+    if array.target is None:
+        return Plan(tuple(array.steps), array.reason, settings.array_path)
+    target = array.target
+    if state.mounted is not None:
+        if state.mounted.source != target.real:
+            source = f"{state.mounted.source} ({state.mounted.fstype})"
+            raise CacheError("mount", str(settings.path), f"already mounted from {source}, not from {target.path}")
+        return Plan(tuple(array.steps), f"{array.reason}: mounted at {settings.path}", target.path)
+    steps = array.steps + _plan_filesystem(target, settings) + _plan_mount(target, settings)
+    return Plan(tuple(steps), array.reason, target.path)
+
+
+def _own_filesystem(disk: Disk) -> bool:
+    return disk.ptable is None and disk.fstype not in (None, RAID_MEMBER) and disk.label == LABEL
+
+
+def _ours(disk: Disk, name: str) -> bool:
+    """The cache's own filesystem, or a member of the cache's array (md names it ``<host>:<name>``)."""
+    if disk.fstype == RAID_MEMBER and disk.ptable is None:
+        return disk.label is not None and (disk.label == name or disk.label.endswith(f":{name}"))
+    return _own_filesystem(disk)
+
+
+def _plan_filesystem(target: Disk, settings: CacheSettings) -> list[Step]:
+    if _own_filesystem(target):
+        return []  # the cache's own filesystem, whatever its type: formatting it again would drop the cache
+    if target.blank:
+        return [_mkfs(target.path, settings.fs, overwrite=False)]
+    if not (settings.force or _ours(target, settings.name)):
+        refusal = f"it carries {target.describe()}, not the cache's {LABEL!r}; --model-cache-force formats it"
+        raise CacheError("format", target.path, refusal)
+    return [_wipe(target.path), _mkfs(target.path, settings.fs, overwrite=True)]
+
+
+def _plan_array(members: list[Disk], state: ProbeState, settings: CacheSettings) -> _Layout:
+    name, path = settings.name, settings.array_path
+    uuids = {m.uuid for m in members}
+    uuid = next(iter(uuids)) if len(uuids) == 1 else None
+    if state.array is not None:
+        return _Layout(_record(settings, uuid, state.recorded), state.array, f"RAID0 {path} is assembled")
+    if uuid is not None and all(m.fstype == RAID_MEMBER and _ours(m, name) for m in members):
+        assemble = Step(
+            "assemble-array",
+            path,
+            ("mdadm", "--assemble", path, *(m.path for m in members)),
+            f"reassemble RAID0 {path} from {len(members)} disks",
+        )
+        return _Layout([assemble, *_record(settings, uuid, state.recorded)], None, f"reassembling {path}")
+    refused = [m for m in members if not (m.blank or _ours(m, name))]
+    if refused and not settings.force:
+        refusal = f"it carries {refused[0].describe()}; --model-cache-force puts it into the cache's array"
+        raise CacheError("create-array", refused[0].path, refusal)
+    # --run: no question about members that look used; the refusal above already decided.
+    create_argv = ("mdadm", "--create", path, "--run", "--level=0", f"--raid-devices={len(members)}")
+    create = Step(
+        "create-array",
+        path,
+        (*create_argv, "--metadata=1.2", f"--name={name}", *(m.path for m in members)),
+        f"create RAID0 {path} from {len(members)} disks",
+    )
+    steps = [_wipe(m.path) for m in members if not m.blank] + [create, *_record(settings, None, None)]
+    if state.recorded and all(m.blank for m in members):
+        reason = f"the disks of the recorded array {path} came back blank (the instance was stopped): recreating it"
+    else:
+        reason = f"creating RAID0 {path} from {len(members)} disks"
+    return _Layout(steps, Disk(path=path, real=path), reason)
+
+
+def _record(settings: CacheSettings, uuid: str | None, recorded: str | None) -> list[Step]:
+    """Steps that record the array's configuration, unless it is recorded already."""
+    if uuid is not None and _hex(uuid) in recorded_uuids(recorded or ""):
+        return []
+    state_dir, path = str(settings.state_dir), settings.array_path
+    return [
+        Step("mkdir", state_dir, ("mkdir", "-p", state_dir), f"create {state_dir}"),
+        Step(
+            "record-array",
+            path,
+            ("mdadm", "--detail", "--brief", path),
+            f"record {path} in {settings.record_path} so that a reboot reassembles it",
+            stdout_to=settings.record_path,
+        ),
+    ]
+
+
+def _wipe(device: str) -> Step:
+    return Step("wipe", device, ("wipefs", "--all", device), f"erase the signatures on {device}")
+
+
+def _mkfs(device: str, fs: str, *, overwrite: bool) -> Step:
+    if fs == "xfs":  # -K: instance-store disks come zeroed, discarding them first only costs time
+        argv = ("mkfs.xfs", "-K", "-L", LABEL, *(("-f",) if overwrite else ()), device)
+    else:
+        options = ("-E", "nodiscard,lazy_itable_init=1", "-m", "0", "-L", LABEL)
+        argv = ("mkfs.ext4", *options, *(("-F",) if overwrite else ()), device)
+    return Step("format", device, argv, f"format {device} as {fs} labelled {LABEL}")
+
+
+def _plan_mount(target: Disk, settings: CacheSettings) -> list[Step]:
+    path = str(settings.path)
+    return [
+        Step("mkdir", path, ("mkdir", "-p", path), f"create {path}"),
+        Step("mount", target.path, ("mount", "-o", "noatime", target.path, path), f"mount {target.path} at {path}"),
+    ]
+
+
+# The node ---------------------------------------------------------------------------------------------------------
+
+
+class Outcome(Enum):
+    READY = "ready"  # mounted: label the node and remove the startup taint
+    ABSENT = "absent"  # no cache on this node (no disks, or disabled): nothing to wait for, no label
+    FAILED = "failed"  # the startup taint stays; a label left from an earlier boot would lie
+
+
+def plan_node_update(node: Mapping[str, Any], outcome: Outcome) -> dict[str, Any] | None:
+    """A merge patch guarded by resourceVersion; None if the node is as it should be.
+
+    ``spec.taints`` is an atomic list in Kubernetes: the patch carries it whole, every other taint kept.
+    """
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    taints = [t for t in (node.get("spec") or {}).get("taints") or [] if isinstance(t, dict)]
+    wanted = "ready" if outcome is Outcome.READY else None
+    metadata: dict[str, Any] = {"resourceVersion": node["metadata"]["resourceVersion"]}
+    if labels.get(READY_LABEL) != wanted:
+        metadata["labels"] = {READY_LABEL: wanted}
+    patch: dict[str, Any] = {"metadata": metadata}
+    if outcome is not Outcome.FAILED and any(t.get("key") == PENDING_TAINT for t in taints):
+        patch["spec"] = {"taints": [t for t in taints if t.get("key") != PENDING_TAINT] or None}
+    return patch if len(metadata) > 1 or "spec" in patch else None
+
+
+# Parsers of what probing reads ------------------------------------------------------------------------------------
+
+
+def parse_blkid(text: str) -> dict[str, str]:
+    """``blkid -o export`` output: ``KEY=value`` lines, special characters escaped with a backslash."""
+    pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line)
+    return {key.strip(): re.sub(r"\\(.)", r"\1", value) for key, value in pairs if key.strip()}
+
+
+def parse_mountinfo(text: str, mount_point: str) -> Mounted | None:
+    """What is mounted at ``mount_point`` according to ``/proc/self/mountinfo``; the last (topmost) mount wins."""
+    found = None
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if "-" not in fields[6:]:
+            continue
+        separator = fields.index("-", 6)
+        if len(fields) < separator + 3 or _unoctal(fields[4]) != mount_point:
+            continue
+        found = Mounted(source=_unoctal(fields[separator + 2]), fstype=fields[separator + 1])
+    return found
+
+
+def _unoctal(text: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def recorded_uuids(text: str) -> set[str]:
+    """Array UUIDs in mdadm.conf lines, as bare lower-case hex (mdadm writes ``a:b:c:d``, blkid ``8-4-4-4-12``)."""
+    return {_hex(u) for u in re.findall(r"UUID=([0-9A-Fa-f:.-]+)", text)}
+
+
+def _hex(uuid: str) -> str:
+    return re.sub(r"[^0-9a-f]", "", uuid.lower())

@@ -1,1 +1,0 @@
-"""The node agent: notice sources, the node handler and the NVMe model cache."""

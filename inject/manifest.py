@@ -1,0 +1,288 @@
+"""The manifest side of ``spotdrain inject``: find the engines in a stream of YAML documents (documents, objects,
+pod specs, the engine container in each), and write back only the documents that change.
+
+The stream is cut into documents at their ``---`` lines (a document marker at the start of a line ends any block
+scalar, so the cut is exact), and each document is parsed with PyYAML to locate its objects. A document with
+nothing to inject is copied through as text, byte for byte: its comments, quoting, key order and indentation stay
+as they were. A document that changes is dumped again from the parsed object, keeping the comment lines before and
+after it; comments inside it are lost. Editing the text in place would keep those too, but PyYAML does not keep
+the positions needed to do that safely for every style of YAML, and a reformatted document that is right is worth
+more than a preserved comment in a document that might not be.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from inject.pods import (
+    ALWAYS_ALLOW,
+    POLICY,
+    SIDECAR,
+    InjectError,
+    Obj,
+    Options,
+    PodTarget,
+    add_sidecar,
+    command_line,
+    containers_of,
+    section,
+)
+
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet")
+RAY_KINDS = ("RayCluster", "RayService")
+# Substrings of an image or of the start of a command line that tell the engine (Ray's LLM image runs vLLM).
+ENGINE_MARKERS = (
+    ("sglang", "sglang"),
+    ("text-generation-inference", "tgi"),
+    ("text-generation-launcher", "tgi"),
+    ("vllm", "vllm"),
+    ("ray-llm", "vllm"),
+)
+COMMAND_WORDS = 3  # `vllm serve`, `python -m vllm.entrypoints...`, `sh -c "vllm serve ..."`; later words are data
+GPU = "nvidia.com/gpu"
+_MARKER = re.compile(r"---(?:[ \t].*)?\r?\n?")
+_COMMENT = re.compile(r"(?:---[ \t]*(?:#.*)?|[ \t]*(?:#.*)?|%.*)\r?\n?")
+
+
+@dataclass(frozen=True)
+class Document:
+    number: int  # 1-based, counting every document marker
+    line: int  # 1-based line of its first line
+    text: str
+
+    @property
+    def name(self) -> str:
+        return f"document {self.number} (line {self.line})"
+
+
+def split_documents(text: str) -> list[Document]:
+    """Cut ``text`` into documents at lines that start with ``---``; joined again they are ``text`` exactly."""
+    documents: list[Document] = []
+    current: list[str] = []
+    start = 1
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        if _MARKER.fullmatch(line) and current:
+            documents.append(Document(len(documents) + 1, start, "".join(current)))
+            current, start = [], number
+        current.append(line)
+    if current:
+        documents.append(Document(len(documents) + 1, start, "".join(current)))
+    return documents
+
+
+def _mapping(value: Any, where: str) -> Obj:
+    if not isinstance(value, dict):
+        raise InjectError(f"{where} is not a mapping")
+    return value
+
+
+def pod_targets(obj: Obj) -> list[PodTarget]:
+    """Every pod spec of a workload object that could run an engine; none for other kinds."""
+    kind = obj.get("kind")
+    if kind == "Pod":
+        return [PodTarget(_mapping(obj.get("spec"), "spec"), "spec")]
+    if kind in WORKLOAD_KINDS:
+        template = _mapping(_mapping(obj.get("spec"), "spec").get("template"), "spec.template")
+        return [PodTarget(_mapping(template.get("spec"), "spec.template.spec"), "spec.template.spec")]
+    if kind not in RAY_KINDS:
+        return []
+    spec, prefix = _mapping(obj.get("spec"), "spec"), "spec"
+    if kind == "RayService":
+        spec, prefix = _mapping(spec.get("rayClusterConfig"), "spec.rayClusterConfig"), "spec.rayClusterConfig"
+    groups = [(f"{prefix}.headGroupSpec", spec["headGroupSpec"])] if "headGroupSpec" in spec else []
+    workers = spec.get("workerGroupSpecs") or []
+    if not isinstance(workers, list):
+        raise InjectError(f"{prefix}.workerGroupSpecs is not a list")
+    groups += [(f"{prefix}.workerGroupSpecs[{i}]", group) for i, group in enumerate(workers)]
+    return [_ray_target(_mapping(group, where), where) for where, group in groups]
+
+
+def _ray_target(group: Obj, where: str) -> PodTarget:
+    template = _mapping(group.get("template"), f"{where}.template")
+    params = _mapping(group.get("rayStartParams") or {}, f"{where}.rayStartParams")
+    return PodTarget(_mapping(template.get("spec"), f"{where}.template.spec"), f"{where}.template.spec", params)
+
+
+def engine_of(container: Obj) -> str | None:
+    """The engine a container runs, told by its image or command; None if it runs none we know.
+
+    Only the first words of the command line count, URLs aside: a client that calls a vLLM runs no engine.
+    """
+    words = [word for word in command_line(container)[:COMMAND_WORDS] if "://" not in word]
+    text = " ".join([str(container.get("image", "")), *words]).lower()
+    return next((engine for marker, engine in ENGINE_MARKERS if marker in text), None)
+
+
+def has_sidecar(target: PodTarget) -> bool:
+    for key in ("containers", "initContainers"):
+        for container in containers_of(target.spec, key, target.where):
+            if container.get("name") == SIDECAR or command_line(container)[:2] == ["spotdrain", "sidecar"]:
+                return True
+    return False
+
+
+def _gpus(container: Obj, ray_params: Obj, where: str) -> float:
+    resources = section(container, "resources", where)
+    counts = [section(resources, part, where).get(GPU, 0) for part in ("limits", "requests")]
+    counts.append(ray_params.get("num-gpus", 0))
+    try:
+        return max(float(count) for count in counts)
+    except (TypeError, ValueError):
+        raise InjectError(f"{where}: a GPU count is not a number") from None
+
+
+def _engine_container(target: PodTarget, options: Options) -> tuple[Obj, str] | None:
+    """The container to put behind the sidecar and its engine; None when the pod runs no engine."""
+    containers = containers_of(target.spec, "containers", target.where)
+    if options.container is not None:
+        named = [c for c in containers if c.get("name") == options.container]
+        if not named:
+            return None
+        engine = options.engine if options.engine != "auto" else engine_of(named[0])
+        if engine is None:
+            raise InjectError(f"cannot tell the engine of container {options.container!r}; name it with --engine")
+        return named[0], engine
+    # A Ray pod's Ray container is its first; it runs an engine only where Ray has GPUs to give it.
+    if target.ray_params is not None:
+        ray_gpus = containers and _gpus(containers[0], target.ray_params, target.where) > 0
+        containers = containers[:1] if ray_gpus else []
+    found = [(c, engine) for c in containers if (engine := engine_of(c)) is not None]
+    if len(found) > 1:
+        names = ", ".join(str(c.get("name")) for c, _ in found)
+        raise InjectError(f"{target.where}: containers {names} all look like engines; choose one with --container")
+    if not found:
+        return None
+    container, engine = found[0]
+    return container, engine if options.engine == "auto" else options.engine
+
+
+def inject_pod(target: PodTarget, options: Options) -> bool:
+    """Give the pod spec the sidecar, in place; False when it runs no engine or has the sidecar already."""
+    if has_sidecar(target):
+        return False
+    picked = _engine_container(target, options)
+    if picked is not None:
+        add_sidecar(target, picked[0], picked[1], options)
+    return picked is not None
+
+
+def inject_into(obj: Obj, options: Options) -> list[str]:
+    """Inject into every pod spec of ``obj`` (a ``List``'s items too), in place; returns where it changed."""
+    if isinstance(obj.get("items"), list):  # kind: List, as `kubectl get -o yaml` prints
+        items = [_mapping(item, f"items[{i}]") for i, item in enumerate(obj["items"])]
+        return [f"items[{i}].{where}" for i, item in enumerate(items) for where in inject_into(item, options)]
+    return [target.where for target in pod_targets(obj) if inject_pod(target, options)]
+
+
+def container_names(obj: Obj) -> set[str]:
+    """Names of the containers in every pod spec of ``obj``, to tell a mistyped --container from a done one."""
+    if isinstance(obj.get("items"), list):
+        return {name for item in obj["items"] if isinstance(item, dict) for name in container_names(item)}
+    return {str(c.get("name")) for t in pod_targets(obj) for c in t.spec.get("containers") or [] if isinstance(c, dict)}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, no anchors, multi-line strings as literal blocks (scripts stay readable)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value and not value[:1].isspace() else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _string)
+
+
+def dump(obj: Obj) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=2**16, allow_unicode=True)
+
+
+def _describe(obj: Obj) -> str:
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, dict):
+        metadata = {}
+    name = "/".join(str(part) for part in (metadata.get("namespace"), metadata.get("name")) if part)
+    return f"{obj.get('kind')} {name}".strip()
+
+
+def _load(document: Document) -> Obj | None:
+    """The object a document holds; None for one of comments and directives only (``%YAML`` before a ``---``)."""
+    if all(_COMMENT.fullmatch(line) for line in document.text.splitlines(keepends=True)):
+        return None
+    try:
+        obj = yaml.safe_load(document.text)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise InjectError(f"{document.name}: not YAML: {problem}") from None
+    except ValueError as error:  # a scalar that looks like a date and is not one: 2026-13-40
+        raise InjectError(f"{document.name}: not YAML: {error}") from None
+    except RecursionError:
+        raise InjectError(f"{document.name}: nested too deeply to read") from None
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        raise InjectError(f"{document.name}: not a Kubernetes object but a {type(obj).__name__}")
+    if not isinstance(obj.get("apiVersion"), str) or not isinstance(obj.get("kind"), str):
+        raise InjectError(f"{document.name}: not a Kubernetes object (no apiVersion and kind)")
+    return obj
+
+
+def _rewrite(document: Document, obj: Obj) -> str:
+    """The document's leading and trailing comment lines around a fresh dump of ``obj``."""
+    lines = document.text.splitlines(keepends=True)
+    head = 0
+    while head < len(lines) and _COMMENT.fullmatch(lines[head]):
+        head += 1
+    tail = len(lines)
+    while tail > head and _COMMENT.fullmatch(lines[tail - 1]):
+        tail -= 1
+    newline = "\r\n" if "\r\n" in document.text else "\n"
+    # `--- {inline: document}`: the marker line holds content, so it goes, and a bare marker takes its place.
+    before = "".join(lines[:head]) if head else ("---" + newline if document.text.startswith("---") else "")
+    return before + dump(obj).replace("\n", newline) + "".join(lines[tail:])
+
+
+@dataclass(frozen=True)
+class Injected:
+    text: str
+    changed: list[str]  # "Deployment inference/vllm spec.template.spec", one per pod spec given the sidecar
+    containers: set[str]  # every container name seen in a workload
+    budgets: dict[
+        str, bool
+    ]  # each PodDisruptionBudget in the input: does it say unhealthyPodEvictionPolicy: AlwaysAllow
+
+
+def inject_text(text: str, options: Options) -> Injected:
+    """Inject into every workload of a YAML stream; raises InjectError naming the first document it cannot read."""
+    parts: list[str] = []
+    changed: list[str] = []
+    containers: set[str] = set()
+    budgets: dict[str, bool] = {}
+    objects = 0
+    for document in split_documents(text):
+        obj = _load(document)
+        if obj is None:
+            parts.append(document.text)
+            continue
+        objects += 1
+        if obj["kind"] == "PodDisruptionBudget":
+            budgets[_describe(obj)] = section(obj, "spec", "spec").get(POLICY) == ALWAYS_ALLOW
+        edited = copy.deepcopy(obj)
+        try:
+            where = inject_into(edited, options)
+            containers |= container_names(obj)
+        except InjectError as error:
+            raise InjectError(f"{document.name}, {_describe(obj)}: {error}") from None
+        parts.append(_rewrite(document, edited) if where else document.text)
+        changed += [f"{_describe(obj)} {place}" for place in where]
+    if not objects:
+        raise InjectError("the input holds no Kubernetes object")
+    return Injected("".join(parts), changed, containers, budgets)

@@ -1,0 +1,253 @@
+"""``spotdrain inject``: add the sidecar, the engine's readiness probe through it, the preStop handshake, the shared
+drain volume and a grace period that fits, to every inference workload of a manifest.
+
+What a pod spec gets is decided here, in pure functions of plain dicts. Finding the engines in a manifest, and
+reading and writing its YAML, is ``inject.manifest``; the command line is ``inject.cli``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_IMAGE = "ghcr.io/spotdrain/spotdrain-sidecar:0.1.0"
+DEFAULT_NOTICE_URL = "http://$(HOST_IP):8090/v1/notice"
+SIDECAR = "spotdrain"
+SIDECAR_PORT = 8081  # sidecar.settings: --port
+DRAIN_DIR = "/run/spotdrain"  # sidecar.settings: --drain-dir
+GATE = "spotdrain.io/serving"  # sidecar.gate: the condition --readiness-gate patches
+TOKEN_VOLUME = "spotdrain-token"
+TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"  # sidecar.settings: --serviceaccount-dir
+GRACE_MARGIN_S = 20  # after the drain: the engine's own SIGTERM handling and exit
+# A drained pod is not Ready before its eviction: only this policy lets the API server evict it whatever its
+# budget's other pods do (pkg/registry/core/pod/storage/eviction.go).
+POLICY, ALWAYS_ALLOW = "unhealthyPodEvictionPolicy", "AlwaysAllow"
+WITHOUT_POLICY = (
+    "without it the API server refuses to evict the pods the sidecar has taken out of rotation, and they go down "
+    "with the instance"
+)
+ENGINE_PORTS = {"vllm": 8000, "tgi": 80, "sglang": 30000}
+# Ray's metrics agent serves vLLM's gauges renamed (":" becomes "_", "ray_" in front) on each node's export port.
+RAY_METRICS_PORT = 8080
+RAY_VLLM_IN_FLIGHT = "ray_vllm_num_requests_running,ray_vllm_num_requests_waiting"
+
+Obj = dict[str, Any]
+
+
+class InjectError(ValueError):
+    """A document cannot be injected; the message names the document and the reason."""
+
+
+@dataclass(frozen=True)
+class Options:
+    image: str = DEFAULT_IMAGE
+    engine: str = "auto"
+    container: str | None = None
+    drain_timeout_s: float = 110.0
+    notice_url: str | None = DEFAULT_NOTICE_URL
+    readiness_gate: bool = False
+
+
+@dataclass(frozen=True)
+class PodTarget:
+    """A pod spec inside an object (edited in place), where it is, and its Ray start parameters if a Ray group."""
+
+    spec: Obj
+    where: str
+    ray_params: Obj | None = None
+
+
+def _words(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [str(part) for part in value] if isinstance(value, list) else [str(value)]
+
+
+def command_line(container: Obj) -> list[str]:
+    return _words(container.get("command")) + _words(container.get("args"))
+
+
+def section(obj: Obj, key: str, where: str) -> Obj:
+    """``obj[key]`` as a mapping, empty when absent or null."""
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InjectError(f"{where}.{key} is not a mapping")
+    return value
+
+
+def containers_of(spec: Obj, key: str, where: str) -> list[Obj]:
+    value = spec.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+        raise InjectError(f"{where}.{key} is not a list of containers")
+    return value
+
+
+def _engine_port(container: Obj, engine: str) -> int:
+    line = command_line(container)
+    for i, part in enumerate(line):
+        value = line[i + 1] if part == "--port" and i + 1 < len(line) else part.partition("=")[2]
+        if (part == "--port" or part.startswith("--port=")) and value.isdigit():
+            return int(value)
+    ports = [p.get("containerPort") for p in container.get("ports") or [] if isinstance(p, dict)]
+    return int(ports[0]) if ports and isinstance(ports[0], int) else ENGINE_PORTS[engine]
+
+
+def _engine_args(container: Obj, engine: str, ray_params: Obj | None) -> list[str]:
+    if ray_params is None:
+        return ["--engine", engine, "--engine-url", f"http://127.0.0.1:{_engine_port(container, engine)}"]
+    if engine != "vllm":
+        raise InjectError(f"on Ray the sidecar reads vLLM's metrics through Ray's metrics agent, not {engine}'s")
+    port = str(ray_params.get("metrics-export-port", RAY_METRICS_PORT))
+    if not port.isdigit():
+        raise InjectError(f"rayStartParams metrics-export-port {port!r} is not a port")
+    return [
+        "--engine",
+        "custom",
+        "--in-flight-metric",
+        RAY_VLLM_IN_FLIGHT,
+        "--engine-url",
+        f"http://127.0.0.1:{port}",
+        "--engine-health-path",
+        "/metrics",
+    ]
+
+
+def _field_env(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def ready_probe() -> Obj:
+    """The sidecar's /ready: 200 while serving and the engine is healthy, 503 from the moment a drain starts."""
+    return {
+        "httpGet": {"path": "/ready", "port": SIDECAR_PORT},
+        "periodSeconds": 5,
+        "failureThreshold": 1,  # out of rotation at the first 503
+    }
+
+
+def sidecar_container(engine_args: list[str], options: Options) -> Obj:
+    """The sidecar container, as deploy/vllm runs it: non-root, read-only root filesystem, no capabilities."""
+    args = [*engine_args, "--port", str(SIDECAR_PORT), "--drain-dir", DRAIN_DIR]
+    args += ["--drain-timeout", _number(options.drain_timeout_s)]
+    env: list[Obj] = []
+    if options.notice_url:
+        args += ["--notice-url", options.notice_url]
+        if "$(HOST_IP)" in options.notice_url:
+            env.append(_field_env("HOST_IP", "status.hostIP"))
+    mounts: list[Obj] = [{"name": SIDECAR, "mountPath": DRAIN_DIR}]
+    if options.readiness_gate:
+        args.append("--readiness-gate")
+        env += [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
+        # A mount at the standard path also stops the API server's automount from adding its own to this container
+        # (plugin/pkg/admission/serviceaccount/admission.go), so the two never clash.
+        mounts.append({"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True})
+    return {
+        "name": SIDECAR,
+        "image": options.image,
+        "command": ["spotdrain", "sidecar"],
+        "args": args,
+        **({"env": env} if env else {}),
+        "ports": [{"name": SIDECAR, "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "readinessProbe": ready_probe(),
+        "livenessProbe": {"httpGet": {"path": "/live", "port": SIDECAR_PORT}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "10m", "memory": "48Mi"}, "limits": {"memory": "96Mi"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+
+
+def token_volume() -> Obj:
+    """The account's token, CA and namespace, as the API server's own automount projects them (the kube-api-access
+    volume: https://kubernetes.io/docs/reference/access-authn-authz/service-accounts-admin/#bound-service-account-token-volume),
+    for the sidecar alone: the pod may (and deploy/vllm does) set automountServiceAccountToken: false, so that the
+    engine, which runs model code, holds no token."""
+    return {
+        "name": TOKEN_VOLUME,
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}},
+            ]
+        },
+    }
+
+
+def prestop() -> Obj:
+    return {"exec": {"command": ["/bin/sh", f"{DRAIN_DIR}/prestop"]}}
+
+
+def _check_free(spec: Obj, engine: Obj, where: str) -> None:
+    """Refuse what injecting would silently break: a preStop of the user's, port 8081 taken, a volume named ours."""
+    pre_stop = section(engine, "lifecycle", where).get("preStop")
+    if pre_stop is not None and pre_stop != prestop():
+        raise InjectError(f"{where}: container {engine.get('name')!r} already has a preStop hook; remove it first")
+    for container in containers_of(spec, "containers", where):
+        ports = container.get("ports")
+        if isinstance(ports, list) and any(
+            isinstance(p, dict) and p.get("containerPort") == SIDECAR_PORT for p in ports
+        ):
+            raise InjectError(f"{where}: container {container.get('name')!r} uses port {SIDECAR_PORT}, the sidecar's")
+    for volume in spec.get("volumes") or []:
+        if isinstance(volume, dict) and volume.get("name") == SIDECAR and "emptyDir" not in volume:
+            raise InjectError(f"{where}: a volume named {SIDECAR!r} exists and is not an emptyDir")
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    if not isinstance(grace, int) or isinstance(grace, bool):
+        raise InjectError(f"{where}.terminationGracePeriodSeconds is not a whole number of seconds")
+
+
+def _list(obj: Obj, key: str, where: str) -> list[Any]:
+    """``obj[key]`` as a list to append to, created when absent or null."""
+    if obj.get(key) is None:
+        obj[key] = []
+    items = obj[key]
+    if not isinstance(items, list):
+        raise InjectError(f"{where}.{key} is not a list")
+    return items
+
+
+def _add_once(items: list[Any], item: Obj, *, key: str) -> None:
+    if not any(isinstance(each, dict) and each.get(key) == item[key] for each in items):
+        items.append(item)
+
+
+def _wire_engine(engine: Obj, where: str) -> None:
+    """Readiness through the sidecar, the preStop handshake, and the drain directory mounted."""
+    engine["readinessProbe"] = ready_probe()
+    engine["lifecycle"] = {**section(engine, "lifecycle", where), "preStop": prestop()}
+    mounts = _list(engine, "volumeMounts", f"{where} container {engine.get('name')!r}")
+    _add_once(mounts, {"name": SIDECAR, "mountPath": DRAIN_DIR}, key="mountPath")
+
+
+def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> None:
+    """Give one pod spec the sidecar for its ``engine`` container (running ``kind``), in place."""
+    spec = target.spec
+    _check_free(spec, engine, target.where)
+    theirs = [v for v in spec.get("volumes") or [] if isinstance(v, dict) and v.get("name") == TOKEN_VOLUME]
+    if options.readiness_gate and theirs and theirs[0] != token_volume():
+        raise InjectError(f"{target.where}: a volume named {TOKEN_VOLUME!r} exists and is not the account's token")
+    sidecar = sidecar_container(_engine_args(engine, kind, target.ray_params), options)
+    _wire_engine(engine, target.where)
+    spec["containers"].append(sidecar)
+    _add_once(_list(spec, "volumes", target.where), {"name": SIDECAR, "emptyDir": {}}, key="name")
+    needed = math.ceil(options.drain_timeout_s) + GRACE_MARGIN_S
+    spec["terminationGracePeriodSeconds"] = max(spec.get("terminationGracePeriodSeconds", 30), needed)
+    if options.readiness_gate:
+        _add_once(_list(spec, "readinessGates", target.where), {"conditionType": GATE}, key="conditionType")
+        _add_once(spec["volumes"], token_volume(), key="name")

@@ -1,0 +1,203 @@
+"""The simulated cluster on 127.0.0.1: the fake API with one GPU node, its pods' processes, the fake IMDS (or a queue)
+and the real node agent. ``async with Cluster(...)`` starts nothing; ``start()`` brings it all up, and leaving the
+block kills every process and stops every fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+from contextlib import AsyncExitStack
+from datetime import datetime, timedelta
+from pathlib import Path
+from types import TracebackType
+
+from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.kube import FakeKube
+from simulate.fakes.processes import engine_args, free_port, sidecar_args, wait_http
+from simulate.kubelet import Kubelet, Pod
+from simulate.observe import agent_note, engine_cut, note_taker, sidecar_note
+from simulate.procs import Proc, ProcessGroup
+from simulate.queue import Queue
+from simulate.scenarios import Scenario
+from simulate.settings import SimulationSettings
+from simulate.timeline import Kind, Recorder
+from spotdrain.clock import rfc3339, utcnow
+
+NODE = "gpu-1"
+NAMESPACE = "ml"
+INSTANCE = "i-0123456789abcdef0"
+LABELS = {"app": "vllm"}
+STARTUP_S = 30.0
+
+
+class Cluster:
+    def __init__(self, settings: SimulationSettings, scenario: Scenario, recorder: Recorder, *, workdir: Path) -> None:
+        self.settings = settings
+        self.timings = settings.timings
+        self.scenario = scenario
+        self.recorder = recorder
+        self.workdir = workdir
+        self.procs = ProcessGroup(workdir)
+        self.kube = FakeKube()
+        self.kubelet = Kubelet(self.kube, recorder, namespace=NAMESPACE)
+        self.imds = FakeImds(instance_id=INSTANCE)
+        self.imds_url = ""
+        self.queue: Queue | None = Queue(self.procs) if scenario.via_sqs else None
+        self._ports: set[int] = set()
+        self.notice_port = self.metrics_port = 0
+        self.agent: Proc | None = None
+        self._agent_starts = 0
+        self._stack = AsyncExitStack()
+
+    @property
+    def pod_names(self) -> list[str]:
+        return [f"vllm-{index}" for index in range(self.settings.pods)]
+
+    @property
+    def notice_url(self) -> str:
+        query = f"?node={NODE}" if self.queue is not None else ""  # a queue-mode agent speaks for every node
+        return f"http://127.0.0.1:{self.notice_port}/v1/notice{query}"
+
+    async def __aenter__(self) -> Cluster:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        await self.kubelet.close()
+        await self.procs.close()
+        await self._stack.aclose()
+
+    async def start(self) -> None:
+        """Start the fakes, the agent and every pod; returns once all of them answer."""
+        await self._stack.enter_async_context(self.kube)
+        self.kube.on_delete(self.kubelet.on_delete)
+        self.imds_url = await self._stack.enter_async_context(serving(self.imds))
+        if self.queue is not None:
+            await self.queue.start()
+        self._seed_api()
+        # Picked once the fakes listen on the ports the kernel gave them, so that none of these can be one of those.
+        self.notice_port, self.metrics_port = self.port(), self.port()
+        async with asyncio.timeout(STARTUP_S):
+            await asyncio.gather(self.start_agent(), *(self._start_pod(name) for name in self.pod_names))
+
+    def _seed_api(self) -> None:
+        self.kube.add_node(NODE, provider_id=f"aws:///us-east-1a/{INSTANCE}", labels={"nvidia.com/gpu.present": "true"})
+        for name in self.pod_names:
+            self.kube.add_pod(
+                NAMESPACE, name, node=NODE, labels=LABELS, owner_kind="ReplicaSet", grace_period_s=self.timings.grace_s
+            )
+        policy = "AlwaysAllow" if self.scenario.always_allow else None
+        self.kube.add_pdb(
+            NAMESPACE,
+            "vllm",
+            selector=LABELS,
+            max_unavailable=self.scenario.max_unavailable,
+            unhealthy_pod_eviction_policy=policy,
+        )
+
+    def port(self) -> int:
+        """A free port no other part of this run has been given (the kernel can hand out a free port twice)."""
+        while (port := free_port()) in self._ports:
+            pass
+        self._ports.add(port)
+        return port
+
+    async def _start_pod(self, name: str) -> None:
+        engine_port, sidecar_port = self.port(), self.port()
+        drain_dir = self.workdir / name / "drain"
+        report: dict[str, int] = {}
+
+        def engine_listener(fields: dict[str, object]) -> None:
+            if (cut := engine_cut(fields)) is not None:
+                report["cut"] = cut
+
+        engine = await self.procs.start(
+            f"{name}-engine",
+            engine_args(engine_port, "--tokens-per-second", str(self.settings.tokens_per_s)),
+            listener=engine_listener,
+        )
+        sidecar = await self.procs.start(
+            f"{name}-sidecar",
+            sidecar_args(port=sidecar_port, engine_port=engine_port, drain_dir=drain_dir, extra=self._sidecar_flags()),
+            listener=note_taker(self.recorder, name, lambda fields: sidecar_note(fields, pod=name)),
+        )
+        pod = Pod(name, engine, sidecar, drain_dir, engine_port=engine_port, sidecar_port=sidecar_port)
+        pod.engine_report = report
+        self.kubelet.adopt(pod)
+        await wait_http(f"http://127.0.0.1:{sidecar_port}/ready", status=200, timeout_s=STARTUP_S)
+
+    def _sidecar_flags(self) -> list[str]:
+        t = self.timings
+        flags = {
+            "--drain-timeout": t.window_s,
+            "--endpoint-delay": t.endpoint_delay_s,
+            "--poll-interval": t.poll_s,
+            "--notice-url": self.notice_url,
+        }
+        return [text for flag, value in flags.items() for text in (flag, str(value))]
+
+    def agent_args(self) -> list[str]:
+        t = self.timings
+        flags: dict[str, object] = {
+            "--kubeconfig": self._kubeconfig(),
+            "--host": "127.0.0.1",
+            "--notice-port": self.notice_port,
+            "--metrics-port": self.metrics_port,
+            "--eviction-delay": t.eviction_delay_s,
+            "--eviction-margin": t.eviction_margin_s,
+        }
+        if self.queue is not None:
+            flags |= {**self.queue.agent_flags(), "--sqs-wait-time": 1}
+        else:
+            flags |= {"--node-name": NODE, "--imds-url": self.imds_url, "--imds-interval": t.imds_interval_s}
+        args = [text for flag, value in flags.items() for text in (flag, str(value))]
+        return ["-m", "spotdrain.cli", "--log-format", "json", "node", *args, "--no-model-cache"]
+
+    def _kubeconfig(self) -> Path:
+        path = self.workdir / "kubeconfig"
+        if not path.exists():
+            self.kube.write_kubeconfig(path, namespace=NAMESPACE)
+        return path
+
+    async def start_agent(self) -> None:
+        """Start ``spotdrain node`` (again, after a kill); returns once it reports ready."""
+        self._agent_starts += 1
+        name = "node-agent" if self._agent_starts == 1 else f"node-agent-{self._agent_starts}"
+        env = self.queue.credentials if self.queue is not None else None
+        listener = note_taker(self.recorder, "node agent", agent_note)
+        self.agent = await self.procs.start(name, self.agent_args(), listener=listener, env=env)
+        await wait_http(f"http://127.0.0.1:{self.metrics_port}/readyz", status=200, timeout_s=STARTUP_S)
+
+    async def kill_agent(self) -> None:
+        """SIGKILL the node agent, as when its node runs out of memory; returns once it is gone."""
+        if self.agent is None:
+            return
+        self.agent.signal(signal.SIGKILL)
+        await self.agent.exited()
+        text = "killed with SIGKILL mid-drain (notice published, pods not yet evicted); starting it again"
+        self.recorder.record(Kind.AGENT_KILLED, "node agent", text)
+
+    async def deliver_notice(self) -> datetime:
+        """Schedule the Spot interruption at IMDS or send it through the queue; returns its deadline."""
+        deadline = _whole_second(utcnow() + timedelta(seconds=self.timings.notice_s))
+        if self.queue is not None:
+            await self.queue.send_spot_warning(instance=INSTANCE, deadline=deadline)
+            how = "EventBridge Spot warning sent to the SQS queue"
+        else:
+            self.imds.schedule_spot("terminate", deadline)
+            how = "IMDS spot/instance-action now answers terminate"
+        left_s = (deadline - utcnow()).total_seconds()
+        text = f"{how}: deadline {rfc3339(deadline)}, {left_s:.1f} s away"
+        self.recorder.record(Kind.NOTICE, "sqs" if self.queue is not None else "imds", text)
+        return deadline
+
+    def node_patches(self) -> int:
+        return self.kube.count("PATCH", "/api/v1/nodes/{name}")
+
+
+def _whole_second(moment: datetime) -> datetime:
+    # Notices carry whole seconds, as IMDS and EventBridge write them.
+    return moment.replace(microsecond=0) + timedelta(seconds=math.ceil(moment.microsecond / 1e6))

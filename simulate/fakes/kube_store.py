@@ -1,0 +1,267 @@
+"""The fake Kubernetes API's resources and objects: the resource table, API paths, the store.
+
+The store keeps objects as plain dicts and stamps every write with the next ``resourceVersion``; ``confine`` applies
+the update strategies (status only through ``/status``, identity fields never change); disruption budgets are
+``kube_budget``. Nothing here does I/O, and the clock is passed in.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from simulate.fakes.kube_select import (
+    KubeError,
+    Obj,
+    fields_match,
+    labels_match,
+    parse_field_selector,
+    parse_label_selector,
+)
+from spotdrain.clock import rfc3339
+
+
+@dataclass(frozen=True)
+class Resource:
+    group_version: str  # "v1" or "<group>/<version>"
+    plural: str
+    kind: str
+    namespaced: bool
+    has_status: bool  # a status subresource: writes to the object keep status, writes to /status keep spec
+    fields: frozenset[str]  # field labels the server accepts in a fieldSelector
+
+    @property
+    def group(self) -> str:
+        return self.group_version.rpartition("/")[0]
+
+    @property
+    def prefix(self) -> str:
+        return "/api/v1" if self.group_version == "v1" else f"/apis/{self.group_version}"
+
+    @property
+    def qualified(self) -> str:
+        """The name errors use: ``pods``, ``poddisruptionbudgets.policy``."""
+        return f"{self.plural}.{self.group}" if self.group else self.plural
+
+
+_META = frozenset({"metadata.name", "metadata.namespace"})
+_POD_FIELDS = {
+    "spec.nodeName",
+    "spec.restartPolicy",
+    "spec.schedulerName",
+    "spec.serviceAccountName",
+    "spec.hostNetwork",
+}
+_EVENT_FIELDS = {f"involvedObject.{f}" for f in ("kind", "namespace", "name", "uid", "apiVersion", "fieldPath")}
+NODES = Resource(
+    group_version="v1",
+    plural="nodes",
+    kind="Node",
+    namespaced=False,
+    has_status=True,
+    fields=frozenset({"metadata.name", "spec.unschedulable"}),
+)
+PODS = Resource(
+    group_version="v1",
+    plural="pods",
+    kind="Pod",
+    namespaced=True,
+    has_status=True,
+    fields=_META | _POD_FIELDS | {"status.phase", "status.podIP", "status.nominatedNodeName"},
+)
+EVENTS = Resource(
+    group_version="v1",
+    plural="events",
+    kind="Event",
+    namespaced=True,
+    has_status=False,
+    fields=_META | _EVENT_FIELDS | {"reason", "reportingComponent", "source", "type"},
+)
+EVENTS_V1 = Resource(
+    group_version="events.k8s.io/v1",
+    plural="events",
+    kind="Event",
+    namespaced=True,
+    has_status=False,
+    fields=_META | {f"regarding.{f}" for f in ("kind", "namespace", "name", "uid")} | {"reason", "type"},
+)
+PDBS = Resource(
+    group_version="policy/v1",
+    plural="poddisruptionbudgets",
+    kind="PodDisruptionBudget",
+    namespaced=True,
+    has_status=True,
+    fields=_META,
+)
+RESOURCES = {(r.group_version, r.plural): r for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS)}
+SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
+
+
+@dataclass(frozen=True)
+class Target:
+    resource: Resource
+    namespace: str | None  # None: cluster-scoped, or every namespace
+    name: str | None  # None: the collection
+    subresource: str | None = None
+
+    @property
+    def pattern(self) -> str:
+        """The path with names replaced by placeholders, for counting calls."""
+        path = self.resource.prefix
+        if self.namespace is not None:
+            path += "/namespaces/{namespace}"
+        path += f"/{self.resource.plural}"
+        if self.name is not None:
+            path += "/{name}"
+        return path + (f"/{self.subresource}" if self.subresource else "")
+
+
+def route(path: str) -> Target | None:
+    """Parse an API path (``/api/v1/namespaces/ns/pods/name/status``); None when no such resource exists."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:2] == ["api", "v1"]:
+        group_version, rest = "v1", parts[2:]
+    elif len(parts) >= 3 and parts[0] == "apis":
+        group_version, rest = f"{parts[1]}/{parts[2]}", parts[3:]
+    else:
+        return None
+    namespace = None
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        namespace, rest = rest[1], rest[2:]
+    if not 1 <= len(rest) <= 3 or (resource := RESOURCES.get((group_version, rest[0]))) is None:
+        return None
+    if namespace is None and resource.namespaced and len(rest) > 1:
+        return None  # a namespaced object needs its namespace; only its collection is listed across namespaces
+    if namespace is not None and not resource.namespaced:
+        return None
+    if len(rest) == 3 and rest[2] not in SUBRESOURCES.get(resource.plural, set()):
+        return None
+    return Target(resource, namespace, rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None)
+
+
+def not_found(resource: Resource, name: str) -> KubeError:
+    details = {"name": name, "kind": resource.plural} | ({"group": resource.group} if resource.group else {})
+    return KubeError(404, "NotFound", f'{resource.qualified} "{name}" not found', details=details)
+
+
+def conflict(resource: Resource, name: str) -> KubeError:
+    message = (
+        f'Operation cannot be fulfilled on {resource.qualified} "{name}": the object has been modified; '
+        "please apply your changes to the latest version and try again"
+    )
+    details = {"name": name, "kind": resource.plural} | ({"group": resource.group} if resource.group else {})
+    return KubeError(409, "Conflict", message, details=details)
+
+
+class Store:
+    """Objects as plain dicts, each write stamped with the next ``resourceVersion``; callers get copies."""
+
+    def __init__(self, *, now: Callable[[], datetime]) -> None:
+        self._objects: dict[tuple[str, str, str, str], Obj] = {}
+        self._now = now
+        self.revision = 1000
+
+    def find(self, resource: Resource, namespace: str | None, name: str) -> Obj | None:
+        found = self._objects.get(self._key(resource, namespace, name))
+        return copy.deepcopy(found) if found is not None else None
+
+    def get(self, resource: Resource, namespace: str | None, name: str) -> Obj:
+        if (found := self.find(resource, namespace, name)) is None:
+            raise not_found(resource, name)
+        return found
+
+    def items(self, resource: Resource, namespace: str | None = None) -> list[Obj]:
+        """Every object of ``resource`` (in ``namespace`` if given), ordered by namespace and name like etcd keys."""
+        keys = sorted(
+            k for k in self._objects if k[:2] == (resource.group_version, resource.plural) and namespace in (None, k[2])
+        )
+        return [copy.deepcopy(self._objects[k]) for k in keys]
+
+    def create(self, resource: Resource, namespace: str | None, obj: Obj) -> Obj:
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        if not meta.get("name"):
+            raise KubeError(422, "Invalid", f"{resource.kind} is invalid: metadata.name: Required value")
+        if resource.namespaced:
+            meta["namespace"] = namespace
+        if self._key(resource, namespace, meta["name"]) in self._objects:
+            message = f'{resource.qualified} "{meta["name"]}" already exists'
+            raise KubeError(409, "AlreadyExists", message, details={"name": meta["name"], "kind": resource.plural})
+        obj["kind"], obj["apiVersion"] = resource.kind, resource.group_version
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = rfc3339(self._now().replace(microsecond=0))
+        meta.pop("deletionTimestamp", None)
+        return self._write(resource, _normalized(obj))
+
+    def update(self, resource: Resource, obj: Obj, *, expected_version: str | None = None) -> Obj:
+        """Replace the stored object; a stale ``expected_version`` is a 409 Conflict."""
+        meta = obj["metadata"]
+        stored = self.get(resource, meta.get("namespace"), meta["name"])
+        if expected_version is not None and expected_version != stored["metadata"]["resourceVersion"]:
+            raise conflict(resource, meta["name"])
+        if {**obj, "metadata": {**meta, "resourceVersion": stored["metadata"]["resourceVersion"]}} == stored:
+            return stored  # a write that changes nothing keeps the resourceVersion, as etcd updates do
+        return self._write(resource, copy.deepcopy(obj))
+
+    def remove(self, resource: Resource, namespace: str | None, name: str) -> Obj | None:
+        return self._objects.pop(self._key(resource, namespace, name), None)
+
+    def _write(self, resource: Resource, obj: Obj) -> Obj:
+        self.revision += 1
+        obj["metadata"]["resourceVersion"] = str(self.revision)
+        self._objects[self._key(resource, obj["metadata"].get("namespace"), obj["metadata"]["name"])] = obj
+        return copy.deepcopy(obj)
+
+    @staticmethod
+    def _key(resource: Resource, namespace: str | None, name: str) -> tuple[str, str, str, str]:
+        return resource.group_version, resource.plural, namespace or "", name
+
+
+def confine(resource: Resource, subresource: str | None, stored: Obj, new: Obj) -> Obj:
+    """What an update may change: identity and deletion state never; ``status`` only through ``/status``.
+
+    Writes to the object itself keep the stored status; writes to ``/status`` keep the stored spec (and, for pods,
+    the owner references), as the API server's update strategies do.
+    """
+    new = copy.deepcopy(new)
+    meta, old_meta = new.setdefault("metadata", {}), stored["metadata"]
+    for field in ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds"):
+        _copy_field(old_meta, meta, field)
+    new["kind"], new["apiVersion"] = stored["kind"], stored["apiVersion"]
+    if resource.has_status:
+        _copy_field(stored, new, "spec" if subresource == "status" else "status")
+    if subresource == "status" and resource.plural == "pods":
+        _copy_field(old_meta, meta, "ownerReferences")
+    return _normalized(new)
+
+
+def _copy_field(source: Obj, target: Obj, field: str) -> None:
+    if field in source:
+        target[field] = copy.deepcopy(source[field])
+    else:
+        target.pop(field, None)
+
+
+def _normalized(obj: Obj) -> Obj:
+    """Drop what the server's JSON encoding omits when empty, so readers see what a real cluster returns."""
+    spec, meta = obj.get("spec"), obj.get("metadata", {})
+    if isinstance(spec, dict):
+        for field in ("unschedulable", "taints"):
+            if field in spec and not spec[field]:
+                del spec[field]
+    for field in ("labels", "annotations", "finalizers", "ownerReferences"):
+        if field in meta and not meta[field]:
+            del meta[field]
+    return obj
+
+
+def selected(items: Sequence[Obj], *, labels: str = "", fields: str = "", resource: Resource) -> list[Obj]:
+    """Filter ``items`` by a labelSelector and a fieldSelector as given in a list request."""
+    requirements = parse_label_selector(labels)
+    terms = parse_field_selector(fields, resource.fields)
+    return [o for o in items if labels_match(requirements, o["metadata"].get("labels")) and fields_match(terms, o)]

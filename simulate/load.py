@@ -1,0 +1,82 @@
+"""The load generator: a fixed number of concurrent streams through the router, each of its own length.
+
+Each slot opens a stream, reads it to its end, and opens the next, until the router refuses one (503: no pod in
+rotation, where a real Service would send the request to another node); then the slot stops. Every stream is
+recorded: completed (every token and ``[DONE]``), cut (ended early), or refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Callable
+
+import aiohttp
+
+from simulate.router import POD_HEADER
+from simulate.timeline import Outcome, Recorder, StreamRecord
+
+Length = Callable[[int], float]  # slot -> seconds the next stream of that slot lasts
+
+
+class Load:
+    def __init__(self, url: str, recorder: Recorder, *, slots: int, length_s: Length, tokens_per_s: float) -> None:
+        self.url = url
+        self.recorder = recorder
+        self.slots = slots
+        self.length_s = length_s
+        self.tokens_per_s = tokens_per_s
+        self._ids = itertools.count(1)
+
+    async def run(self) -> None:
+        """Runs every slot; returns once each has been refused (or raises CancelledError when cancelled)."""
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, asyncio.TaskGroup() as group:
+            for slot in range(self.slots):
+                group.create_task(self._slot(session, slot), name=f"load-slot-{slot}")
+
+    async def _slot(self, session: aiohttp.ClientSession, slot: int) -> None:
+        while True:
+            record = await self._one(session, slot)
+            self.recorder.stream(record)
+            if record.outcome is Outcome.REFUSED:
+                return
+
+    async def _one(self, session: aiohttp.ClientSession, slot: int) -> StreamRecord:
+        wanted = max(1, round(self.length_s(slot) * self.tokens_per_s))
+        stream_id = next(self._ids)
+        started = self.recorder.now()
+        pod: str | None = None
+        received = 0
+        done = False
+        body = {"prompt": f"stream {stream_id}", "max_tokens": wanted, "stream": True}
+        try:
+            async with session.post(f"{self.url}/v1/completions", json=body) as response:
+                if response.status != 200:  # 503 from the router: no pod in rotation
+                    return StreamRecord(stream_id, slot, None, started, self.recorder.now(), wanted, 0, Outcome.REFUSED)
+                pod = response.headers.get(POD_HEADER)
+                async for raw in response.content:
+                    token, finished = parse_line(raw)
+                    received += token
+                    done = done or finished
+        except (aiohttp.ClientError, ConnectionResetError):
+            pass  # the stream broke off: whatever arrived is all there is
+        outcome = Outcome.COMPLETED if done and received == wanted else Outcome.CUT
+        return StreamRecord(stream_id, slot, pod, started, self.recorder.now(), wanted, received, outcome)
+
+
+def parse_line(raw: bytes) -> tuple[int, bool]:
+    """One line of a server-sent event stream: (tokens it carries, whether it is the final ``[DONE]``)."""
+    line = raw.decode(errors="replace").strip()
+    if not line.startswith("data: "):
+        return 0, False
+    data = line.removeprefix("data: ")
+    if data == "[DONE]":
+        return 0, True
+    try:
+        choices = json.loads(data)["choices"]
+    except (ValueError, KeyError, TypeError):
+        return 0, False
+    return (1, False) if choices else (0, False)

@@ -1,0 +1,138 @@
+"""A small router in front of the engines, sending new requests only to pods whose sidecar reports ready.
+
+It follows readiness as a Service's endpoints do: each sidecar's ``/ready`` is polled every ``poll_s`` and a pod
+is in rotation while the last answer was 200. A request goes to the ready pod with the fewest open streams; with
+none ready the router answers 503. The stream is relayed chunk by chunk, and the pod that served it is named in
+the ``X-Spotdrain-Pod`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from simulate.timeline import Kind, Recorder
+
+log = structlog.get_logger()
+
+POD_HEADER = "X-Spotdrain-Pod"
+
+
+@dataclass
+class Backend:
+    name: str
+    engine_url: str
+    ready_url: str
+    ready: bool = False
+    was_ready: bool = False
+    open_streams: int = 0
+
+
+class Router:
+    def __init__(
+        self,
+        backends: list[Backend],
+        recorder: Recorder,
+        *,
+        poll_s: float,
+        on_change: Callable[[str, bool], None] = lambda name, ready: None,
+    ) -> None:
+        self.backends = backends
+        self.recorder = recorder
+        self.poll_s = poll_s
+        self.on_change = on_change  # a pod's /ready changed: (name, ready)
+        self.routed = 0
+        self.refused = 0
+        self.rerouted = 0  # routed while another pod had already left rotation
+        self.all_ready = asyncio.Event()
+        self.first_out = asyncio.Event()
+        self._session: aiohttp.ClientSession | None = None
+
+    def choose(self) -> Backend | None:
+        ready = [b for b in self.backends if b.ready]
+        return min(ready, key=lambda b: b.open_streams) if ready else None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        backend = self.choose()
+        if backend is None:
+            self.refused += 1
+            return web.json_response({"error": {"message": "no pod in rotation"}}, status=503)
+        self.routed += 1
+        self.rerouted += any(b.was_ready and not b.ready for b in self.backends)
+        backend.open_streams += 1
+        try:
+            return await self._relay(request, backend, body)
+        finally:
+            backend.open_streams -= 1
+
+    async def _relay(self, request: web.Request, backend: Backend, body: bytes) -> web.StreamResponse:
+        assert self._session is not None
+        response = web.StreamResponse(headers={POD_HEADER: backend.name, "Content-Type": "text/event-stream"})
+        try:
+            async with self._session.post(
+                f"{backend.engine_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as upstream:
+                response.set_status(upstream.status)
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+        except (aiohttp.ClientError, ConnectionResetError) as error:
+            # The engine went away mid-stream: the client gets what was relayed, without the final [DONE].
+            log.debug("router.upstream_cut", pod=backend.name, error=repr(error))
+            if not response.prepared:
+                return web.json_response({"error": {"message": f"{backend.name} unreachable"}}, status=502)
+            response.force_close()
+        return response
+
+    async def poller(self, backend: Backend) -> None:
+        """Follows one sidecar's ``/ready`` every ``poll_s``, recording each change; runs until cancelled."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=max(0.5, self.poll_s * 5))
+        while True:
+            try:
+                async with self._session.get(backend.ready_url, timeout=timeout) as answer:
+                    ready, reason = answer.status == 200, (await answer.text()).strip()
+            except (TimeoutError, aiohttp.ClientError) as error:
+                ready, reason = False, f"sidecar unreachable: {type(error).__name__}"
+            self._update(backend, ready, reason)
+            await asyncio.sleep(self.poll_s)
+
+    def _update(self, backend: Backend, ready: bool, reason: str) -> None:
+        if ready == backend.ready:
+            return
+        backend.ready = ready
+        self.on_change(backend.name, ready)
+        if ready:
+            backend.was_ready = True
+            if all(b.ready for b in self.backends):
+                self.all_ready.set()
+            return
+        if backend.was_ready:
+            self.first_out.set()
+            text = f"out of rotation: /ready answers 503 ({reason})"
+            self.recorder.record(Kind.OUT_OF_ROTATION, backend.name, text, pod=backend.name)
+
+    async def serve(self, *, port: int) -> None:
+        """Serves on 127.0.0.1 and follows every sidecar until cancelled; ``all_ready`` is set once every pod is in
+        rotation, which is after the router accepts requests."""
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
+        # Connections are closed after each request, so none idles on an engine's port between streams.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            self._session = session
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                async with asyncio.TaskGroup() as group:
+                    for backend in self.backends:
+                        group.create_task(self.poller(backend), name=f"ready-{backend.name}")
+            finally:
+                await asyncio.shield(runner.cleanup())

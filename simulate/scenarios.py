@@ -1,0 +1,225 @@
+"""The scenarios ``spotdrain simulate`` plays, each with the load it runs and what its verdict demands.
+
+Every expectation is a pure function of the run's ``Summary``; a scenario passes when all of its checks do.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from simulate.summary import Summary
+
+
+class Profile(enum.Enum):
+    SHORT = "short"  # every stream fits well inside the drain window
+    MIXED = "mixed"  # every other slot opens streams far longer than the deadline
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+Checks = Callable[[Summary], list[Check]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    expectation: str  # what the verdict demands, in a sentence
+    profile: Profile
+    max_unavailable: int  # the PodDisruptionBudget's
+    checks: Checks
+    restart_agent: bool = False
+    via_sqs: bool = False
+    always_allow: bool = True  # the budget says unhealthyPodEvictionPolicy: AlwaysAllow, as deploy/ ships it
+    pods: int | None = None  # the scenario's own number of pods, whatever --pods says
+
+
+def stream_seconds(
+    profile: Profile, *, slot: int, pods: int, rng: random.Random, window_s: float, notice_s: float
+) -> float:
+    """How long a stream opened by ``slot`` lasts; ``window_s`` is how long a drain may last after the notice.
+
+    The router spreads the slots' first streams over the pods in turn, so long streams go to every other round of
+    ``pods`` slots: each pod gets its share of both kinds.
+    """
+    if profile is Profile.MIXED and (slot // pods) % 2 == 0:
+        return rng.uniform(1.5, 2.0) * notice_s
+    top = 0.3 if profile is Profile.MIXED else 0.4
+    return rng.uniform(0.1, top) * window_s
+
+
+def _check(name: str, passed: bool, detail: str) -> Check:
+    return Check(name, passed, detail)
+
+
+def _common(s: Summary) -> list[Check]:
+    out = [p.name for p in s.pods if p.out_at is None]
+    return [
+        _check("every pod left rotation", not out, f"still in rotation: {', '.join(out)}" if out else "all did"),
+        _check(
+            "cut streams reported = cut streams seen",
+            s.cut_reported == s.cut,
+            f"sidecars reported {s.cut_reported}, the clients saw {s.cut}",
+        ),
+    ]
+
+
+def _none_cut(s: Summary) -> Check:
+    return _check("no stream cut", s.cut == 0, f"{s.cut} of {s.started} cut")
+
+
+def _all_gone(s: Summary) -> Check:
+    left = [p.name for p in s.pods if p.gone_at is None]
+    return _check("every pod gone", not left, f"left: {', '.join(left)}" if left else "all pods left the node")
+
+
+def _short_streams(s: Summary) -> list[Check]:
+    late = [p.name for p in s.pods if p.out_before_eviction is False]
+    evicted = sum(p.evicted_at is not None for p in s.pods)
+    early = s.spare_s is not None and s.spare_s > 0
+    return [
+        _none_cut(s),
+        _check("out of rotation before eviction", not late, f"late: {', '.join(late)}" if late else "every pod"),
+        _check("every pod evicted", evicted == len(s.pods), f"{evicted} of {len(s.pods)}"),
+        _check("node empty before the deadline", early, "no" if s.spare_s is None else f"{s.spare_s:.1f} s to spare"),
+    ]
+
+
+def _long_streams(s: Summary) -> list[Check]:
+    return [
+        _check("long streams are cut at the deadline", s.cut > 0, f"{s.cut} cut"),
+        _check("short streams still complete", s.completed > 0, f"{s.completed} completed intact"),
+        _all_gone(s),
+    ]
+
+
+def _shipped_budget(s: Summary) -> list[Check]:
+    ready = [p.name for p in s.pods if p.ready_when_evicted is not False]
+    evicted = sum(p.evicted_at is not None for p in s.pods)
+    return [
+        _check(
+            "every pod unready when evicted",
+            not ready,
+            f"Ready (or never evicted): {', '.join(ready)}" if ready else "the budget counted each one unhealthy",
+        ),
+        _check("AlwaysAllow evicts them all", evicted == len(s.pods), f"{evicted} of {len(s.pods)} evicted"),
+        _none_cut(s),
+        _check("node empty before the deadline", s.spare_s is not None and s.spare_s > 0, _spare(s)),
+    ]
+
+
+def _spare(s: Summary) -> str:
+    return "no" if s.spare_s is None else f"{s.spare_s:.1f} s to spare"
+
+
+def _pdb_blocks(s: Summary) -> list[Check]:
+    return [
+        _check("429s from the budget retried", s.eviction_refusals > 0, f"{s.eviction_refusals} refusals"),
+        _check(
+            "blocked evictions reported",
+            s.evictions_given_up == len(s.pods) and s.evictions == 0,
+            f"{s.evictions_given_up} given up, {s.evictions} evicted",
+        ),
+        _check("pods lost with the instance at the deadline", s.reclaimed == len(s.pods), f"{s.reclaimed} reclaimed"),
+        _none_cut(s),
+    ]
+
+
+def _agent_restart(s: Summary) -> list[Check]:
+    return [
+        _check("agent restarted mid-drain", s.agent_restarts == 1, f"{s.agent_restarts} restarts"),
+        _check("node marked once", s.node_patches == 1 and s.node_events == 1, _marks(s)),
+        _check(
+            "restart found the node marked",
+            s.already_marked,
+            "logged node.already_marked" if s.already_marked else "no",
+        ),
+        _none_cut(s),
+        _all_gone(s),
+    ]
+
+
+def _marks(s: Summary) -> str:
+    return f"{s.node_patches} node patches, {s.node_events} Events"
+
+
+def _sqs(s: Summary) -> list[Check]:
+    drained = s.cordoned_at is not None and s.node_drained_at is not None
+    return [
+        _check("message deleted", s.message_deleted is True, f"queue empty: {s.message_deleted}"),
+        _check("node cordoned and drained", drained, "yes" if drained else "no"),
+        _all_gone(s),
+        _none_cut(s),
+    ]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            "short-streams",
+            "Spot interruption; every stream is shorter than the deadline",
+            "no stream is cut, every pod leaves rotation before its eviction, the node is empty before the deadline",
+            Profile.SHORT,
+            1,
+            _short_streams,
+        ),
+        Scenario(
+            "long-streams",
+            "Spot interruption; half the streams are longer than the deadline",
+            "the long streams are cut, and the sidecars report exactly as many cuts as the clients saw",
+            Profile.MIXED,
+            1,
+            _long_streams,
+        ),
+        Scenario(
+            "shipped-budget",
+            "Spot interruption; two pods of one budget on the node, as deploy/vllm ships them (maxUnavailable: 1, "
+            "unhealthyPodEvictionPolicy: AlwaysAllow)",
+            "both pods are unready when evicted (their sidecars took them out of rotation), and both are evicted",
+            Profile.SHORT,
+            1,
+            _shipped_budget,
+            pods=2,
+        ),
+        Scenario(
+            "pdb-blocks",
+            "Spot interruption; a PodDisruptionBudget (maxUnavailable: 0, no AlwaysAllow) refuses every eviction",
+            "the 429s are retried and reported, the pods go with the instance, and still no stream is cut",
+            Profile.SHORT,
+            0,
+            _pdb_blocks,
+            always_allow=False,
+        ),
+        Scenario(
+            "agent-restart",
+            "Spot interruption; the node agent is killed (SIGKILL) mid-drain and restarted",
+            "the restarted agent resumes: the node is patched once, one Event, every pod evicted, no stream cut",
+            Profile.SHORT,
+            1,
+            _agent_restart,
+            restart_agent=True,
+        ),
+        Scenario(
+            "sqs",
+            "Spot interruption delivered as an EventBridge message through SQS (moto), node agent in queue mode",
+            "the node is cordoned and drained, no stream is cut, and the message is deleted once done",
+            Profile.SHORT,
+            1,
+            _sqs,
+            via_sqs=True,
+        ),
+    )
+}
+
+
+def judge(scenario: Scenario, summary: Summary) -> tuple[Check, ...]:
+    return (*_common(summary), *scenario.checks(summary))

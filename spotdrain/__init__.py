@@ -1,0 +1,1 @@
+"""Shared core of spotdrain's two programs: settings, logging, metrics, HTTP helpers, Kubernetes access."""

@@ -1,0 +1,83 @@
+"""The ``spotdrain`` command: one subcommand per program; each reads flags and SPOTDRAIN_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from spotdrain.logs import configure_logging
+from spotdrain.settings import SettingsError, add_flag
+
+# name: (help, module with add_arguments(parser), module with main(args) -> int). Modules load only when needed,
+# so the sidecar never imports what the node agent needs; an image that does not carry a program has no command
+# for it (the sidecar image has no agent/, the agent image no sidecar/).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "sidecar": (
+        "run beside an inference engine: own readiness, hold termination until streams end",
+        "sidecar.settings",
+        "sidecar.main",
+    ),
+    "node": (
+        "the node agent: act on interruption notices from IMDS or SQS (taint, cordon, evict)",
+        "agent.node_settings",
+        "agent.main",
+    ),
+    "cache": ("prepare the NVMe model cache once and exit", "agent.cache.settings", "agent.cache.run"),
+    "inject": (
+        "print a manifest with the sidecar, probes, preStop, volume and grace period added",
+        "inject.cli",
+        "inject.cli",
+    ),
+    "simulate": (
+        "a whole interruption on embedded fakes, printed as a timeline with a verdict",
+        "simulate.cli",
+        "simulate.cli",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spotdrain", description="Keep LLM token streams alive when Spot GPU nodes are reclaimed."
+    )
+    add_flag(parser, "--log-format", default="auto", choices=("auto", "json", "console"), help="log output")
+    add_flag(parser, "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, arguments, _) in COMMANDS.items():
+        module = _installed(arguments)
+        if module is not None:
+            module.add_arguments(commands.add_parser(name, help=help_text))
+    return parser
+
+
+def _installed(name: str) -> ModuleType | None:
+    """The module, or None when its program is not installed here; any other failed import is raised."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and f"{name}.".startswith(f"{error.name}."):
+            return None
+        raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
+        configure_logging(json=json_logs, level=args.log_level)
+        code: int = importlib.import_module(COMMANDS[args.command][2]).main(args)
+    except SettingsError as error:
+        command = " ".join(a for a in (sys.argv[1:2] if argv is None else list(argv)[:1]))
+        print(f"spotdrain {command}: error: {error}".replace("  ", " "), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
