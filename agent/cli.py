@@ -23,6 +23,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "daemonset.settings",
         "daemonset.main",
     ),
+    "gateway": (
+        "an OpenAI-compatible proxy that continues a broken stream on another replica",
+        "gateway.settings",
+        "gateway.main",
+    ),
     "cache": ("prepare the NVMe model cache once and exit", "daemonset.cache_settings", "daemonset.cache_main"),
     "inject": (
         "print a manifest with the sidecar, probes, preStop, volume and grace period added",

@@ -42,11 +42,12 @@ async def scrape(url: str, name: str) -> float | None:
 
 
 def every_series() -> CollectorRegistry:
-    """A registry holding every series the two programs export, as they are at start."""
+    """A registry holding every series the programs export, as they are at start."""
     from daemonset.cache_main import CacheMetrics
     from daemonset.imds import ImdsMetrics
     from daemonset.metrics import AgentMetrics
     from daemonset.sqs import SqsMetrics
+    from gateway.metrics import GatewayMetrics
     from sidecar.metrics import SidecarMetrics
 
     registry = CollectorRegistry()
@@ -55,6 +56,7 @@ def every_series() -> CollectorRegistry:
     ImdsMetrics(registry)
     SqsMetrics.create(registry)
     CacheMetrics.create(registry)
+    GatewayMetrics.create(registry)
     return registry
 
 

@@ -5,12 +5,15 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_sidecar_imports_nothing_from_the_node_agents_dependencies() -> None:
+@pytest.mark.parametrize("program", ["sidecar.main", "gateway.main"])
+def test_the_sidecar_and_the_gateway_import_nothing_from_the_node_agents_dependencies(program: str) -> None:
     code = (
-        "import sys, agent.cli, sidecar.main\n"
+        f"import sys, agent.cli, {program}\n"
         "agent.cli.build_parser()  # every subcommand's flags, as `spotdrain sidecar` builds them\n"
         "heavy = [m for m in ('boto3', 'botocore', 'kubernetes_asyncio', 'yaml') if m in sys.modules]\n"
         "print(','.join(heavy))"

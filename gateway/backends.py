@@ -1,0 +1,84 @@
+"""The backends: which are ready, how many streams each holds, and the health checker that keeps that true."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+
+from gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger()
+
+# A backend that failed this way is taken out of rotation until its health check passes again; a 5xx, an error
+# event or an abort says the request failed, not that the backend is gone.
+GONE_CAUSES = frozenset({"unavailable", "reset", "timeout"})
+
+
+@dataclass
+class Backend:
+    url: str
+    ready: bool = True
+    open_streams: int = 0
+    picked: int = 0  # when it was last picked, to spread ties
+
+
+class Pool:
+    def __init__(self, urls: Collection[str], metrics: GatewayMetrics) -> None:
+        self.backends = [Backend(url) for url in urls]
+        self.metrics = metrics
+        self._picks = itertools.count(1)
+        self._publish()
+
+    def pick(self, *, avoid: Collection[str] = ()) -> Backend | None:
+        """The ready backend with the fewest open streams, preferring those not in ``avoid``; None if none is ready.
+
+        A backend in ``avoid`` (it already failed this request) is still chosen when it is the only ready one: a
+        dropped connection does not always mean the backend is gone.
+        """
+        ready = [b for b in self.backends if b.ready]
+        fresh = [b for b in ready if b.url not in avoid] or ready
+        if not fresh:
+            return None
+        chosen = min(fresh, key=lambda b: (b.open_streams, b.picked))
+        chosen.picked = next(self._picks)
+        return chosen
+
+    def failed(self, backend: Backend, cause: str) -> None:
+        self.metrics.backend_errors.labels(kind=cause).inc()
+        if cause in GONE_CAUSES and backend.ready:
+            backend.ready = False
+            log.warning("backend.unready", backend=backend.url, cause=cause)
+            self._publish()
+
+    def set_ready(self, backend: Backend, ready: bool) -> None:
+        if backend.ready != ready:
+            backend.ready = ready
+            log.info("backend.ready" if ready else "backend.unready", backend=backend.url, cause="health")
+            self._publish()
+
+    def any_ready(self) -> bool:
+        return any(b.ready for b in self.backends)
+
+    def _publish(self) -> None:
+        self.metrics.backends_ready.set(sum(b.ready for b in self.backends))
+
+
+async def health_checker(session: aiohttp.ClientSession, pool: Pool, *, interval_s: float, timeout_s: float) -> None:
+    """Asks every backend's ``/health`` each interval; a 200 makes it ready, anything else not. Runs until cancelled."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def check(backend: Backend) -> None:
+        try:
+            async with session.get(f"{backend.url}/health", timeout=timeout) as response:
+                pool.set_ready(backend, response.status == 200)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            pool.set_ready(backend, False)
+
+    while True:
+        await asyncio.gather(*(check(b) for b in pool.backends))
+        await asyncio.sleep(interval_s)

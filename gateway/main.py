@@ -1,0 +1,77 @@
+"""``spotdrain gateway``: build the pieces, serve the API and /metrics, check backends, until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+import aiohttp
+import structlog
+
+from agent.metrics import CollectorRegistry
+from agent.probes import probe_app, serve
+from agent.settings import log_effective
+from agent.tasks import Role, Supervisor, on_signals
+from gateway.backends import Pool, health_checker
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import api_app
+from gateway.settings import GatewaySettings, from_arguments
+from gateway.streaming import Gateway
+
+log = structlog.get_logger()
+
+
+async def api_server(gateway: Gateway, *, after: asyncio.Event, ready_flag: asyncio.Event | None) -> None:
+    """Serves the OpenAI API once /metrics listens (so a ready gateway is always observable); until cancelled."""
+    await after.wait()
+    settings = gateway.settings
+    await serve(api_app(gateway), host=settings.host, port=settings.port, ready_flag=ready_flag, name="api")
+
+
+async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = None) -> int:
+    """Run the gateway until SIGTERM or SIGINT; returns the exit code."""
+    log_effective("gateway", settings)
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics.create(registry)
+    pool = Pool(settings.backends, metrics)
+    stop = asyncio.Event()
+    on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+    # No connection limit: every open stream holds one backend connection for as long as it runs.
+    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        gateway = Gateway(settings=settings, pool=pool, session=session, metrics=metrics)
+
+        async def ready() -> tuple[bool, str]:
+            return pool.any_ready(), f"{sum(b.ready for b in pool.backends)} backends ready"
+
+        metrics_listening = asyncio.Event()
+        roles: list[Role] = [
+            (
+                "metrics_server",
+                serve(
+                    probe_app(registry, ready=ready),
+                    host=settings.host,
+                    port=settings.metrics_port,
+                    ready_flag=metrics_listening,
+                    name="metrics",
+                ),
+            ),
+            ("api_server", api_server(gateway, after=metrics_listening, ready_flag=ready_flag)),
+            (
+                "health_checker",
+                health_checker(
+                    session,
+                    pool,
+                    interval_s=settings.timeouts.health_interval_s,
+                    timeout_s=settings.timeouts.connect_s,
+                ),
+            ),
+        ]
+        ok = await Supervisor(stop).run(roles)
+    log.info("gateway.stopped")
+    return 0 if ok else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(run(from_arguments(args)))

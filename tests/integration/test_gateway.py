@@ -1,0 +1,244 @@
+"""The gateway against fake engines on 127.0.0.1: a broken stream is spliced into one that equals the reference."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from agent.fakes.engine import EngineConfig
+from agent.fakes.processes import free_port
+from agent.fakes.sse_client import Streamed, read_stream
+from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference
+
+COMPLETION = ("/v1/completions", {"prompt": "once upon a time", "max_tokens": 30})
+CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 30})
+USAGE = {"stream_options": {"include_usage": True}}
+
+
+def faulty(fault: str, after: int = 7) -> EngineConfig:
+    return EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, fault=fault, fault_after=after)
+
+
+HEALTHY = EngineConfig(tokens_per_s=FAST_TOKENS_PER_S)
+
+
+def assert_spliced(got: Streamed, want: Streamed, *, chat: bool) -> None:
+    """One stream, as a client would have had it from a single healthy engine."""
+    assert got.status == 200
+    assert got.text == want.text
+    assert got.done == 1
+    assert not got.cut
+    assert got.errors == []
+    assert got.finish_reasons == want.finish_reasons == ["length"]
+    first = got.chunks[0]
+    assert {(c["id"], c["created"], c["model"]) for c in got.chunks} == {
+        (first["id"], first["created"], first["model"])
+    }
+    assert got.roles == (["assistant"] if chat else [])
+    assert got.usage == want.usage
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT], ids=["completions", "chat"])
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
+async def test_a_stream_cut_by_a_dropped_connection_is_spliced_into_the_reference(
+    path: str, body: dict[str, Any], usage: bool
+) -> None:
+    body = {**body, **(USAGE if usage else {})}
+    want = await reference(path, body)
+    async with engines(faulty("drop"), HEALTHY) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url(path), body, session=session)
+        assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="continued"}') == 1
+        assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="reset"}') == 1
+        assert await metric(gw, "spotdrain_gateway_splice_gap_seconds_count") == 1
+    assert_spliced(got, want, chat=path == CHAT[0])
+    assert len(got.comments) == 1
+    if usage:
+        assert got.usage[0]["completion_tokens"] == 30
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT], ids=["completions", "chat"])
+async def test_two_backend_deaths_in_one_stream_still_give_the_reference(path: str, body: dict[str, Any]) -> None:
+    body = {**body, **USAGE}
+    want = await reference(path, body)
+    async with (
+        engines(faulty("drop", 5), faulty("drop", 9), HEALTHY) as ports,
+        gateway(*ports) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        got = await read_stream(gw.url(path), body, session=session)
+        assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="reset"}') == 2
+    assert_spliced(got, want, chat=path == CHAT[0])
+    assert len(got.comments) == 2
+
+
+async def test_token_ids_returned_by_the_backend_make_the_continuation_prompt() -> None:
+    body = {**COMPLETION[1], "return_token_ids": True, **USAGE}
+    want = await reference(COMPLETION[0], body)
+    async with engines(faulty("drop"), HEALTHY) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url(COMPLETION[0]), body, session=session)
+    assert_spliced(got, want, chat=False)
+    ids = [i for c in got.chunks if c["choices"] for i in c["choices"][0]["token_ids"]]
+    assert ids == [i for c in want.chunks if c["choices"] for i in c["choices"][0]["token_ids"]]
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [("abort", "abort"), ("error", "error_event"), ("garbage", "garbage"), ("hang", "timeout")],
+)
+async def test_every_abnormal_end_continues_on_another_backend(fault: str, cause: str) -> None:
+    path, body = CHAT
+    want = await reference(path, body)
+    flags = ("--read-timeout", "0.5")
+    async with (
+        engines(faulty(fault), HEALTHY) as ports,
+        gateway(*ports, flags=flags) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        got = await read_stream(gw.url(path), body, session=session)
+        assert await metric(gw, f'spotdrain_gateway_continuations_total{{cause="{cause}"}}') == 1
+        assert await metric(gw, f'spotdrain_gateway_backend_errors_total{{kind="{cause}"}}') == 1
+    assert_spliced(got, want, chat=True)
+
+
+async def test_a_backend_answering_503_before_the_stream_is_skipped_without_the_client_noticing() -> None:
+    path, body = COMPLETION
+    want = await reference(path, body)
+    async with (
+        engines(faulty("unavailable"), HEALTHY) as ports,
+        gateway(*ports) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        got = await read_stream(gw.url(path), body, session=session)
+        assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="server_error"}') == 1
+    assert_spliced(got, want, chat=False)
+    assert got.comments == []  # nothing had reached the client: no splice to mark
+
+
+async def test_a_backend_that_is_down_is_skipped() -> None:
+    path, body = COMPLETION
+    want = await reference(path, body)
+    async with engines(HEALTHY) as ports, gateway(free_port(), *ports) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url(path), body, session=session)
+    assert_spliced(got, want, chat=False)
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags", "reason"),
+    [
+        ({"guided_json": {"type": "object"}}, (), "guided"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, (), "guided"),
+        ({}, ("--migration-max-tokens", "3"), "too_long"),
+        ({}, ("--migration-limit", "0"), "limit"),
+    ],
+)
+async def test_a_stream_that_cannot_continue_ends_at_once_with_an_error_event(
+    extra: dict[str, Any], flags: tuple[str, ...], reason: str
+) -> None:
+    path, body = CHAT
+    async with (
+        engines(faulty("drop"), HEALTHY) as ports,
+        gateway(*ports, flags=flags) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        got = await read_stream(gw.url(path), {**body, **extra}, session=session)
+        assert await metric(gw, f'spotdrain_gateway_cuts_total{{reason="{reason}"}}') == 1
+        assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="cut"}') == 1
+    assert len(got.errors) == 1
+    assert got.errors[0]["code"] == 503
+    assert got.done == 1
+    assert got.finish_reasons == []
+    assert len(got.text.split()) == 7
+
+
+async def test_no_ready_backend_gets_a_503_before_any_stream() -> None:
+    async with gateway(free_port()) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url(CHAT[0]), CHAT[1], session=session)
+        async with session.get(gw.url("/health")) as health:
+            assert health.status == 503
+    assert got.status == 503
+
+
+async def test_a_request_over_the_body_limit_gets_413() -> None:
+    big = {"prompt": "x" * 2000, "max_tokens": 1, "stream": True}
+    async with (
+        engines(HEALTHY) as ports,
+        gateway(*ports, flags=("--max-body-bytes", "1000")) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        async with session.post(gw.url("/v1/completions"), json=big) as response:
+            assert response.status == 413
+        assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="rejected"}') == 1
+
+
+async def test_non_streamed_requests_models_and_health_pass_through() -> None:
+    async with (
+        engines(faulty("unavailable"), HEALTHY) as ports,
+        gateway(*ports) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        async with session.post(gw.url("/v1/chat/completions"), json=CHAT[1]) as response:
+            assert response.status == 200
+            answer = await response.json()
+        async with session.get(gw.url("/v1/models")) as models:
+            assert (await models.json())["data"][0]["id"] == HEALTHY.model
+        async with session.get(gw.url("/health")) as health:
+            assert health.status == 200
+    want = await reference(*CHAT)
+    assert answer["choices"][0]["message"]["content"] == want.text
+
+
+async def test_a_backend_refusal_reaches_the_client_as_it_is() -> None:
+    async with engines(HEALTHY) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url("/v1/completions"), {"prompt": "x", "max_tokens": 0}, session=session)
+    assert got.status == 400
+
+
+async def test_headers_pass_through_both_ways() -> None:
+    seen: list[str | None] = []
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"object": "list", "data": []}, headers={"X-Request-Id": "abc"})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/v1/models", echo)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with (
+            gateway(port) as gw,
+            aiohttp.ClientSession() as session,
+            session.get(gw.url("/v1/models"), headers={"Authorization": "Bearer k"}) as response,
+        ):
+            assert response.headers["X-Request-Id"] == "abc"
+    finally:
+        await runner.cleanup()
+    assert seen == ["Bearer k"]
+
+
+async def test_a_client_that_leaves_closes_the_backend_stream() -> None:
+    path, body = COMPLETION
+    async with (
+        engines(EngineConfig(tokens_per_s=50)) as ports,
+        gateway(*ports) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        task = asyncio.create_task(read_stream(gw.url(path), {**body, "max_tokens": 500}, session=session))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        for _ in range(100):
+            if await metric(gw, 'spotdrain_gateway_requests_total{outcome="abandoned"}') == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="abandoned"}') == 1
+        assert await metric(gw, "spotdrain_gateway_open_streams") == 0
