@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from bench import burst, cache, fleet, inflight_parse, node, sidecar
+from bench import burst, cache, fleet, gateway, inflight_parse, node, sidecar
 from bench.common import Result, report
 
 
@@ -16,7 +16,14 @@ async def run(names: set[str]) -> list[Result]:
     results: list[Result] = []
     if not names or "inflight_parse" in names:
         results.append(inflight_parse.measure())
-    modules = (("sidecar", sidecar), ("node", node), ("burst", burst), ("cache", cache), ("fleet", fleet))
+    modules = (
+        ("sidecar", sidecar),
+        ("node", node),
+        ("burst", burst),
+        ("cache", cache),
+        ("fleet", fleet),
+        ("gateway", gateway),
+    )
     for name, module in modules:
         if not names or name in names:
             results += await module.measure()

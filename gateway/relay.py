@@ -47,6 +47,10 @@ def forwarded(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED)
 
 
+# asyncio's default high-water mark for a transport's write buffer; aiohttp awaits a drain only above it.
+_UNBLOCKED_BYTES = 64 * 1024
+
+
 class ClientGone(Exception):
     """The client closed its connection or stopped reading: nothing more can reach it."""
 
@@ -83,7 +87,14 @@ class ClientStream:
 
     async def write(self, data: bytes, *, content: bool = True) -> None:
         assert self.response is not None
-        await self._bounded(self.response.write(data))
+        transport = self.request.transport
+        if transport is not None and transport.get_write_buffer_size() + len(data) < _UNBLOCKED_BYTES:
+            try:  # below the transport's high-water mark the write cannot wait: no timer needed
+                await self.response.write(data)
+            except ConnectionError as error:
+                raise ClientGone(str(error)) from None
+        else:
+            await self._bounded(self.response.write(data))
         if content:
             now = time.monotonic()
             if self.gap_from is not None:

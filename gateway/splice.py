@@ -10,6 +10,7 @@ where the backend returned them (vLLM's ``return_token_ids``) and whether a tool
 from __future__ import annotations
 
 import json
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +54,10 @@ class Splicer:
     include_usage: bool
     identity: dict[str, Any] | None = None  # id, created, model of the first chunk ever
     segment: int = 0  # 0 for the first backend, then one per continuation
-    text: list[str] = field(default_factory=list)
+    # Compact on purpose: a long stream holds its whole text and ids (UTF-8 bytes, 8-byte ids), not an object each.
+    text: bytearray = field(default_factory=bytearray)
     tokens: int = 0
-    token_ids: list[int] | None = field(default_factory=list)  # None once a token came without its id
+    token_ids: array[int] | None = field(default_factory=lambda: array("q"))  # None once a token came without its id
     prompt_token_ids: list[int] | None = None
     role_sent: bool = False
     finish_reason: str | None = None
@@ -72,7 +74,7 @@ class Splicer:
 
     @property
     def text_so_far(self) -> str:
-        return "".join(self.text)
+        return self.text.decode(errors="surrogatepass")
 
     def next_segment(self) -> None:
         """A continuation starts: what it reports about usage is relative to the tokens sent before it."""
@@ -124,12 +126,12 @@ class Splicer:
         if isinstance(ids, list):
             count = len(ids)
             if self.token_ids is not None:
-                self.token_ids.extend(i for i in ids if isinstance(i, int))
+                self.token_ids.extend(i for i in ids if isinstance(i, int) and -(2**63) <= i < 2**63)
         else:
             count = 1 if piece else 0
             if piece:
                 self.token_ids = None
-        self.text.append(piece)
+        self.text += piece.encode(errors="surrogatepass")  # JSON may carry lone surrogates
         self.tokens += count
         if finish in ("abort", "error"):  # vLLM aborted the request (shutdown) or failed it: continue elsewhere
             choice["finish_reason"] = None

@@ -109,6 +109,7 @@ async def test_a_chat_continued_as_a_final_assistant_message_yields_the_uninterr
             "max_tokens": 15,
         }
         assert head + chat_text(await events(port, "/v1/chat/completions", continued)) == whole
+        assert len(whole.split()) == 25
 
 
 async def test_a_chat_stream_has_vllms_shape_role_first_finish_on_the_last_token_then_usage() -> None:

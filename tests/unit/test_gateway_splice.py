@@ -86,6 +86,12 @@ def test_any_event_bytes_give_an_answer_never_an_exception(data: bytes) -> None:
     Splicer(chat=True, include_usage=True).accept(data)
 
 
+def test_text_with_lone_surrogates_is_kept_as_it_came() -> None:
+    splicer = Splicer(chat=False, include_usage=False)
+    splicer.accept(b'{"id": "x", "created": 1, "model": "m", "choices": [{"index": 0, "text": "a\\ud800"}]}')
+    assert splicer.text_so_far == "a\ud800"
+
+
 def test_usage_after_a_continuation_counts_the_original_prompt_and_every_token_received() -> None:
     splicer = Splicer(chat=False, include_usage=True)
     for piece in (" a", " b", " c"):
