@@ -139,6 +139,7 @@ async def test_a_first_run_formats_mounts_labels_the_node_and_removes_the_taint(
 
 
 @needs_loop
+@needs_xfs  # the default filesystem
 async def test_a_second_run_on_a_ready_node_changes_nothing(
     loops: Callable[[int], list[str]], kube: FakeKube, actions: KubeActions, tmp_path: Path
 ) -> None:
