@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,10 +36,14 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
 def _generation(gateway: Gateway, path: str, *, chat: bool) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
-            raw = await request.read()
+            async with asyncio.timeout(gateway.settings.timeouts.read_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             gateway.metrics.requests.labels(outcome="rejected").inc()
             raise
+        except TimeoutError:
+            gateway.metrics.requests.labels(outcome="abandoned").inc()
+            return web.Response(status=408, text="the request body did not arrive in time\n")
         body = _json_object(raw)
         if body is not None and body.get("stream") is True:
             return await stream(gateway, request, path=path, body=body, raw=raw, chat=chat)
@@ -73,11 +78,13 @@ async def forward(gateway: Gateway, request: web.Request, *, raw: bytes | None) 
     timeout = aiohttp.ClientTimeout(total=timeouts.request_s, sock_connect=timeouts.connect_s)
     headers = forwarded(request.headers)
     avoid: set[str] = set()
+    cause = ""
     for attempt in range(gateway.settings.migration.limit + 1):
         backend = gateway.pool.pick(avoid=avoid)
         if backend is None:
-            break
-        cause = ""
+            return _cut(gateway, "no_backend")
+        if attempt:
+            gateway.metrics.continuations.labels(cause=cause).inc()
         try:
             async with gateway.session.request(
                 request.method, backend.url + request.path_qs, data=raw, headers=headers, timeout=timeout
@@ -98,7 +105,10 @@ async def forward(gateway: Gateway, request: web.Request, *, raw: bytes | None) 
             cause = "reset"
         gateway.pool.failed(backend, cause)
         avoid.add(backend.url)
-        if attempt < gateway.settings.migration.limit:
-            gateway.metrics.continuations.labels(cause=cause).inc()
+    return _cut(gateway, "limit")
+
+
+def _cut(gateway: Gateway, reason: str) -> web.Response:
+    gateway.metrics.cuts.labels(reason=reason).inc()
     gateway.metrics.requests.labels(outcome="cut").inc()
-    return no_backend_answer("no backend could answer")
+    return no_backend_answer(f"no backend could answer ({reason})")

@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from agent.fakes.engine import EngineConfig
-from agent.fakes.processes import free_port
+from agent.fakes.engine import EngineConfig, serve_engine
+from agent.fakes.processes import free_port, wait_http
 from agent.fakes.sse_client import Streamed, read_stream
 from tests.conftest import running_engine
 
@@ -66,6 +66,19 @@ async def _engines(configs: list[EngineConfig]) -> AsyncIterator[list[int]]:
         return
     async with running_engine(configs[0]) as port, _engines(configs[1:]) as rest:
         yield [port, *rest]
+
+
+@asynccontextmanager
+async def running_engine_on(port: int) -> AsyncIterator[None]:
+    """A fake engine on a given port, as a backend restarted where it was."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_engine(EngineConfig(tokens_per_s=2000), host="127.0.0.1", port=port, stop=stop))
+    try:
+        await wait_http(f"http://127.0.0.1:{port}/health", status=200)
+        yield
+    finally:
+        stop.set()
+        await task
 
 
 async def reference(path: str, body: dict[str, Any]) -> Streamed:

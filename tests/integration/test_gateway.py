@@ -12,7 +12,7 @@ from aiohttp import web
 from agent.fakes.engine import EngineConfig
 from agent.fakes.processes import free_port
 from agent.fakes.sse_client import Streamed, read_stream
-from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference
+from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference, running_engine_on
 
 COMPLETION = ("/v1/completions", {"prompt": "once upon a time", "max_tokens": 30})
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 30})
@@ -242,3 +242,53 @@ async def test_a_client_that_leaves_closes_the_backend_stream() -> None:
             await asyncio.sleep(0.05)
         assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="abandoned"}') == 1
         assert await metric(gw, "spotdrain_gateway_open_streams") == 0
+
+
+async def test_a_backend_that_accepts_and_never_answers_times_out_and_the_stream_moves_on() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        await asyncio.sleep(30)  # never answers; the gateway's read timeout ends this first
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    silent_port = server.sockets[0].getsockname()[1]
+    path, body = COMPLETION
+    want = await reference(path, body)
+    try:
+        async with (
+            engines(HEALTHY) as ports,
+            gateway(silent_port, *ports, flags=("--read-timeout", "0.3", "--health-interval", "60")) as gw,
+            aiohttp.ClientSession() as session,
+        ):
+            got = await read_stream(gw.url(path), body, session=session)
+            assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="timeout"}') == 1
+    finally:
+        server.close()
+    assert_spliced(got, want, chat=False)
+
+
+async def test_a_backend_that_comes_back_after_a_restart_takes_requests_again() -> None:
+    port = free_port()
+    async with gateway(port) as gw, aiohttp.ClientSession() as session:
+        first = await read_stream(gw.url(COMPLETION[0]), COMPLETION[1], session=session)
+        assert first.status == 503
+        async with running_engine_on(port):
+            for _ in range(100):
+                async with session.get(gw.url("/health")) as health:
+                    if health.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+            again = await read_stream(gw.url(COMPLETION[0]), COMPLETION[1], session=session)
+    assert again.status == 200
+    assert again.text == (await reference(*COMPLETION)).text
+
+
+async def test_a_request_body_that_never_arrives_gets_408_after_the_read_timeout() -> None:
+    async with engines(HEALTHY) as ports, gateway(*ports, flags=("--read-timeout", "0.3")) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status.startswith(b"HTTP/1.1 408")
+        assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="abandoned"}') == 1
