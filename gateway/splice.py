@@ -179,6 +179,9 @@ class Splicer:
             return b"data: " + data + b"\n\n"
         assert self.identity is not None
         chunk.update(self.identity)
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and self.tokens_before_segment:  # continuous_usage_stats, relative to this backend
+            chunk["usage"] = self._whole_usage(usage)
         if "prompt_token_ids" in chunk:
             chunk["prompt_token_ids"] = None  # a continuation's prompt is not the client's
         for choice in chunk.get("choices", ()):
@@ -210,12 +213,13 @@ class Splicer:
         return sse({**self.identity, "object": self._object, "choices": [], "usage": self.usage()}) + DONE
 
     def usage(self) -> dict[str, int]:
-        """``prompt_tokens`` of the original request; ``completion_tokens`` for every token the client received.
+        """``prompt_tokens`` of the original request; ``completion_tokens`` for every token the client received."""
+        return self._whole_usage(self.backend_usage or {})
 
-        A continuation's prompt holds the original prompt plus the tokens sent before it, so the original's
-        prompt size is the continuation's less those tokens (exact where the backend returned prompt token ids).
-        """
-        reported = self.backend_usage or {}
+    def _whole_usage(self, reported: dict[str, Any]) -> dict[str, int]:
+        """A continuation's usage as the client's whole stream: its prompt held the original prompt plus the tokens
+        sent before it, so the original's prompt size is the continuation's less those (exact where the backend
+        returned prompt token ids)."""
         final_completion = reported.get("completion_tokens")
         completion = self.tokens
         if isinstance(final_completion, int):

@@ -82,11 +82,14 @@ class _Run:
     async def serve(self, raw: bytes) -> tuple[web.StreamResponse, str]:
         headers = forwarded(self.headers)
         avoid: set[str] = set()
+        broken: tuple[str, Broken] | None = None  # the backend that failed last, and how
         comment = b""
         while True:
             backend = self.gateway.pool.pick(avoid=avoid)
             if backend is None:
-                return await self._cut("no_backend")
+                return await self._cut("no_backend", broken)
+            if broken is not None:
+                self._continued(*broken, to=backend.url)
             end = await relay(
                 self.gateway.session,
                 backend,
@@ -102,27 +105,27 @@ class _Run:
                 return web.Response(status=end.status, body=end.body, headers=end.headers), "rejected"
             if isinstance(end, Finished) or self.splicer.finished:
                 return await self._finish()
-            assert isinstance(end, Broken)
             self.gateway.pool.failed(backend, end.cause)
-            self.client.broke()
             avoid.add(backend.url)
-            left = remaining_tokens(self.body, self.splicer, chat=self.chat)
-            if left is not None and left <= 0 and self.client.started:
-                await self.client.write(self.splicer.finish_chunk("length"))  # every token was sent already
-                return await self._finish()
-            reason = self._refusal()
-            if reason is not None:
-                log.warning("gateway.cut", backend=backend.url, cause=end.cause, detail=end.detail, reason=reason)
-                return await self._cut(reason)
-            self.continuations += 1
-            self.gateway.metrics.continuations.labels(cause=end.cause).inc()
-            self._log_continuation(backend.url, end)
+            broken = (backend.url, end)
+            if (ended := await self._end_after_break(broken)) is not None:
+                return ended
             self.splicer.next_segment()
             raw = json.dumps(continuation(self.body, self.splicer, chat=self.chat)).encode()
             headers["Content-Type"] = "application/json"
             comment = b""
             if self.gateway.settings.migration.mark_splices and self.client.started:
                 comment = b": spotdrain: continued after " + end.cause.encode() + b"\n\n"
+
+    async def _end_after_break(self, broken: tuple[str, Broken]) -> tuple[web.StreamResponse, str] | None:
+        """How the stream ends now that its backend broke, or None when it may continue."""
+        self.client.broke()
+        left = remaining_tokens(self.body, self.splicer, chat=self.chat)
+        if left is not None and left <= 0 and self.client.started:
+            await self.client.write(self.splicer.finish_chunk("length"))  # every token was sent already
+            return await self._finish()
+        reason = self._refusal()
+        return None if reason is None else await self._cut(reason, broken)
 
     def _refusal(self) -> str | None:
         if self.continuations >= self.gateway.settings.migration.limit:
@@ -132,11 +135,15 @@ class _Run:
         max_tokens = self.gateway.settings.migration.max_tokens
         return refusal(self.body, self.splicer, chat=self.chat, max_tokens=max_tokens)
 
-    def _log_continuation(self, backend: str, end: Broken) -> None:
+    def _continued(self, backend: str, end: Broken, *, to: str) -> None:
+        """Count and log one continuation: one line each, with where the stream was and where it goes."""
+        self.continuations += 1
+        self.gateway.metrics.continuations.labels(cause=end.cause).inc()
         log.info(
             "gateway.continued",
             request=(self.splicer.identity or {}).get("id"),
             backend=backend,
+            to=to,
             cause=end.cause,
             detail=end.detail,
             tokens_sent=self.splicer.tokens,
@@ -149,8 +156,17 @@ class _Run:
         await self.client.response.write_eof()
         return self.client.response, "continued" if self.continuations else "completed"
 
-    async def _cut(self, reason: str) -> tuple[web.StreamResponse, str]:
+    async def _cut(self, reason: str, broken: tuple[str, Broken] | None) -> tuple[web.StreamResponse, str]:
         self.gateway.metrics.cuts.labels(reason=reason).inc()
+        backend, end = broken if broken is not None else (None, None)
+        log.warning(
+            "gateway.cut",
+            request=(self.splicer.identity or {}).get("id"),
+            backend=backend,
+            cause=end.cause if end else None,
+            reason=reason,
+            tokens_sent=self.splicer.tokens,
+        )
         message = f"the stream's backend failed and it cannot continue elsewhere ({reason})"
         if not self.client.started:
             return no_backend_answer(message), "cut"

@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from structlog.testing import capture_logs
 
 from agent.fakes.engine import EngineConfig
 from agent.fakes.processes import free_port
@@ -69,10 +70,14 @@ async def test_two_backend_deaths_in_one_stream_still_give_the_reference(path: s
         gateway(*ports) as gw,
         aiohttp.ClientSession() as session,
     ):
-        got = await read_stream(gw.url(path), body, session=session)
+        with capture_logs() as logs:
+            got = await read_stream(gw.url(path), body, session=session)
         assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="reset"}') == 2
     assert_spliced(got, want, chat=path == CHAT[0])
     assert len(got.comments) == 2
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    continued = [(e["backend"], e["to"], e["tokens_sent"]) for e in logs if e["event"] == "gateway.continued"]
+    assert continued == [(urls[0], urls[1], 5), (urls[1], urls[2], 14)]
 
 
 async def test_token_ids_returned_by_the_backend_make_the_continuation_prompt() -> None:
@@ -104,8 +109,10 @@ async def test_every_abnormal_end_continues_on_another_backend(fault: str, cause
     assert_spliced(got, want, chat=True)
 
 
-async def test_a_backend_answering_503_before_the_stream_is_skipped_without_the_client_noticing() -> None:
-    path, body = COMPLETION
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT], ids=["completions", "chat"])
+async def test_a_backend_answering_503_before_the_stream_is_skipped_without_the_client_noticing(
+    path: str, body: dict[str, Any]
+) -> None:
     want = await reference(path, body)
     async with (
         engines(faulty("unavailable"), HEALTHY) as ports,
@@ -114,7 +121,7 @@ async def test_a_backend_answering_503_before_the_stream_is_skipped_without_the_
     ):
         got = await read_stream(gw.url(path), body, session=session)
         assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="server_error"}') == 1
-    assert_spliced(got, want, chat=False)
+    assert_spliced(got, want, chat=path == CHAT[0])
     assert got.comments == []  # nothing had reached the client: no splice to mark
 
 

@@ -185,3 +185,13 @@ def test_remaining_tokens_follow_vllms_defaults() -> None:
     assert remaining_tokens({"messages": []}, splicer, chat=True) is None
     assert remaining_tokens({"max_tokens": 9, "max_completion_tokens": 4}, splicer, chat=True) == 3
     assert remaining_tokens({"prompt": "x"}, splicer, chat=False) == 15
+
+
+def test_continuous_usage_on_a_continuations_chunks_counts_the_whole_stream() -> None:
+    splicer = Splicer(chat=False, include_usage=False)
+    splicer.accept(text_chunk(" a"))
+    splicer.accept(text_chunk(" b"))
+    splicer.next_segment()
+    usage = {"prompt_tokens": 7, "total_tokens": 8, "completion_tokens": 1}
+    out = relayed(splicer.accept(text_chunk(" c", usage=usage)).out)
+    assert out["usage"] == {"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3}
