@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -67,13 +67,13 @@ class Rejected:
 class ClientStream:
     """The response to the client: headers go out with the first backend that streams; writes are bounded."""
 
-    def __init__(self, request: web.Request, *, write_timeout_s: float) -> None:
+    def __init__(self, request: web.Request, *, write_timeout_s: float, on_gap: Callable[[float], None]) -> None:
         self.request = request
         self.write_timeout_s = write_timeout_s
+        self.on_gap = on_gap  # seconds between the last chunk before a break and the first after it
         self.response: web.StreamResponse | None = None
         self.last_write = time.monotonic()
         self.gap_from: float | None = None  # set at a break, until the continuation's first chunk
-        self.gaps: list[float] = []
 
     @property
     def started(self) -> bool:
@@ -98,7 +98,7 @@ class ClientStream:
         if content:
             now = time.monotonic()
             if self.gap_from is not None:
-                self.gaps.append(now - self.gap_from)
+                self.on_gap(now - self.gap_from)
                 self.gap_from = None
             self.last_write = now
 

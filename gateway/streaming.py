@@ -61,8 +61,6 @@ async def stream(
     finally:
         gateway.metrics.open_streams.dec()
     gateway.metrics.requests.labels(outcome=outcome).inc()
-    for gap in run.client.gaps:
-        gateway.metrics.splice_gap.observe(gap)
     return response
 
 
@@ -76,7 +74,9 @@ class _Run:
         self.chat = chat
         self.splicer = splicer
         self.headers: CIMultiDict[str] = CIMultiDict(request.headers)
-        self.client = ClientStream(request, write_timeout_s=gateway.settings.timeouts.read_s)
+        self.client = ClientStream(
+            request, write_timeout_s=gateway.settings.timeouts.read_s, on_gap=gateway.metrics.splice_gap.observe
+        )
         self.continuations = 0
 
     async def serve(self, raw: bytes) -> tuple[web.StreamResponse, str]:
