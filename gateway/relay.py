@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -106,10 +106,10 @@ class ClientStream:
         if self.gap_from is None:
             self.gap_from = self.last_write
 
-    async def _bounded(self, call: object) -> None:
+    async def _bounded(self, call: Awaitable[object]) -> None:
         try:
             async with asyncio.timeout(self.write_timeout_s):
-                await call  # type: ignore[misc]
+                await call
         except (ConnectionError, TimeoutError) as error:
             raise ClientGone(str(error)) from None
 
