@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -22,14 +22,16 @@ GONE_CAUSES = frozenset({"unavailable", "reset", "timeout"})
 @dataclass
 class Backend:
     url: str
+    ready_url: str  # its 200 puts the backend in rotation
     ready: bool = True
     open_streams: int = 0
     picked: int = 0  # when it was last picked, to spread ties
 
 
 class Pool:
-    def __init__(self, urls: Collection[str], metrics: GatewayMetrics) -> None:
-        self.backends = [Backend(url) for url in urls]
+    def __init__(self, urls: Sequence[str], metrics: GatewayMetrics, *, ready_urls: Sequence[str] = ()) -> None:
+        ready_urls = ready_urls or [f"{url}/health" for url in urls]
+        self.backends = [Backend(url, ready) for url, ready in zip(urls, ready_urls, strict=True)]
         self.metrics = metrics
         self._picks = itertools.count(1)
         self._publish()
@@ -69,12 +71,16 @@ class Pool:
 
 
 async def health_checker(session: aiohttp.ClientSession, pool: Pool, *, interval_s: float, timeout_s: float) -> None:
-    """Asks every backend's ``/health`` each interval; a 200 makes it ready, anything else not. Runs until cancelled."""
+    """Asks every backend's ready URL each interval; a 200 makes it ready, anything else not. Runs until cancelled.
+
+    The engine's ``/health`` stays 200 while its pod drains; a sidecar's ``/ready`` turns 503 at the drain's start,
+    which is why ``--ready-url`` exists: a draining pod then gets no new request, as a Service would do.
+    """
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def check(backend: Backend) -> None:
         try:
-            async with session.get(f"{backend.url}/health", timeout=timeout) as response:
+            async with session.get(backend.ready_url, timeout=timeout) as response:
                 pool.set_ready(backend, response.status == 200)
         except (aiohttp.ClientError, TimeoutError, OSError):
             pool.set_ready(backend, False)

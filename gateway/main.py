@@ -34,7 +34,7 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
     log_effective("gateway", settings)
     registry = CollectorRegistry()
     metrics = GatewayMetrics.create(registry)
-    pool = Pool(settings.backends, metrics)
+    pool = Pool(settings.backends, metrics, ready_urls=settings.ready_urls)
     stop = asyncio.Event()
     on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
     # No connection limit: every open stream holds one backend connection for as long as it runs.

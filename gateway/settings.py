@@ -29,6 +29,7 @@ class TimeoutSettings:
 @dataclass(frozen=True)
 class GatewaySettings:
     backends: tuple[str, ...]
+    ready_urls: tuple[str, ...]  # one per backend, or none: then each backend's own /health
     migration: MigrationSettings
     timeouts: TimeoutSettings
     host: str
@@ -44,25 +45,31 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _backends_from_env() -> list[str] | None:
-    raw = os.environ.get(env_name("--backend"))
+def _urls_from_env(flag: str) -> list[str] | None:
+    raw = os.environ.get(env_name(flag))
     if raw is None:
         return None
     try:
         return [http_url(url.strip()) for url in raw.split(",") if url.strip()]
     except argparse.ArgumentTypeError as error:
-        raise SettingsError(f"{env_name('--backend')}={raw!r}: {error}") from None
+        raise SettingsError(f"{env_name(flag)}={raw!r}: {error}") from None
+
+
+def _add_url_list(parser: argparse.ArgumentParser, flag: str, *, help: str) -> None:
+    """A repeatable URL flag; ``SPOTDRAIN_<FLAG>`` holds the list, comma separated."""
+    parser.add_argument(
+        flag, action="append", type=http_url, default=None, help=f"{help} (env {env_name(flag)}, comma separated)"
+    )
+    parser.set_defaults(**{flag.lstrip("-").replace("-", "_") + "_env": _urls_from_env(flag)})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--backend",
-        action="append",
-        type=http_url,
-        default=None,
-        help="an engine's base URL, repeatable (env SPOTDRAIN_BACKEND, comma separated; default: none)",
+    _add_url_list(parser, "--backend", help="an engine's base URL, repeatable")
+    _add_url_list(
+        parser,
+        "--ready-url",
+        help="a URL whose 200 puts the backend of the same position in rotation, e.g. its sidecar's /ready",
     )
-    parser.set_defaults(backend_env=_backends_from_env())
     add_flag(parser, "--host", default="0.0.0.0", help="address for the API and /metrics")
     add_flag(parser, "--port", convert=port, default=8000, help="port of the OpenAI-compatible API")
     add_flag(parser, "--metrics-port", convert=port, default=9090, help="port for /metrics, /live and /ready")
@@ -93,6 +100,11 @@ def from_arguments(args: argparse.Namespace) -> GatewaySettings:
     backends = tuple(args.backend or args.backend_env or ())
     require(bool(backends), "give at least one --backend (or SPOTDRAIN_BACKEND)")
     require(len(set(backends)) == len(backends), "--backend lists the same URL twice")
+    ready_urls = tuple(args.ready_url or args.ready_url_env or ())
+    require(
+        len(ready_urls) in (0, len(backends)),
+        f"give one --ready-url per --backend, in the same order ({len(ready_urls)} for {len(backends)})",
+    )
     for flag, value in (
         ("--connect-timeout", args.connect_timeout),
         ("--read-timeout", args.read_timeout),
@@ -102,6 +114,7 @@ def from_arguments(args: argparse.Namespace) -> GatewaySettings:
         require(value > 0, f"{flag} must be above 0 seconds")
     return GatewaySettings(
         backends=backends,
+        ready_urls=ready_urls,
         migration=MigrationSettings(
             limit=args.migration_limit, max_tokens=args.migration_max_tokens, mark_splices=args.mark_splices
         ),

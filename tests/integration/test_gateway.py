@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 from agent.fakes.engine import EngineConfig
 from agent.fakes.processes import free_port
 from agent.fakes.sse_client import Streamed, read_stream
+from tests.conftest import scrape
 from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference, running_engine_on
 
 COMPLETION = ("/v1/completions", {"prompt": "once upon a time", "max_tokens": 30})
@@ -299,3 +300,36 @@ async def test_a_request_body_that_never_arrives_gets_408_after_the_read_timeout
         writer.close()
         assert status.startswith(b"HTTP/1.1 408")
         assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="abandoned"}') == 1
+
+
+async def test_a_backend_whose_ready_url_fails_gets_no_new_stream_as_a_draining_pod_would() -> None:
+    serving = [True]
+
+    async def ready(_: web.Request) -> web.Response:
+        return web.Response(status=200 if serving[0] else 503)
+
+    app = web.Application()
+    app.router.add_get("/ready", ready)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sidecar_port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", sidecar_port).start()
+    try:
+        async with engines(HEALTHY, HEALTHY) as (first, second):
+            flags: tuple[str, ...] = ("--ready-url", f"http://127.0.0.1:{sidecar_port}/ready")
+            flags += ("--ready-url", f"http://127.0.0.1:{second}/health")
+            async with gateway(first, second, flags=flags) as gw, aiohttp.ClientSession() as session:
+                serving[0] = False  # the first pod's sidecar starts draining
+                for _ in range(100):
+                    if await metric(gw, "spotdrain_gateway_backends_ready") == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                before = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
+                got = await asyncio.gather(
+                    *(read_stream(gw.url(path), body, session=session) for path, body in [COMPLETION] * 4)
+                )
+                after = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
+    finally:
+        await runner.cleanup()
+    assert [g.done for g in got] == [1] * 4
+    assert after == before

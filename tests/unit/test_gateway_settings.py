@@ -24,6 +24,10 @@ def test_backends_come_from_repeated_flags_or_one_comma_separated_variable(monke
         (["gateway"], "at least one --backend"),
         (["gateway", "--backend", "http://a", "--backend", "http://a"], "twice"),
         (["gateway", "--backend", "http://a", "--read-timeout", "0"], "--read-timeout"),
+        (
+            ["gateway", "--backend", "http://a", "--backend", "http://b", "--ready-url", "http://a:1/ready"],
+            "one --ready-url",
+        ),
     ],
 )
 def test_settings_that_cannot_work_are_refused_with_the_flag(argv: list[str], message: str) -> None:
