@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from agent.fakes.openai_format import DONE, Stream, read_job
@@ -70,6 +70,8 @@ def text_of_events(events: list[Any]) -> str:
 
 
 @settings(max_examples=150, deadline=None)
+@example(chat=False, usage=False, max_tokens=1, cuts=[0], prompt="0")  # cut before its first chunk
+@example(chat=True, usage=True, max_tokens=3, cuts=[0, 0, 1], prompt="p")
 @given(
     chat=st.booleans(),
     usage=st.booleans(),
@@ -93,7 +95,11 @@ def test_any_cuts_give_the_reference_stream_with_one_role_one_finish_one_done(
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] == [
         "length"
     ]
-    assert {(c["id"], c["created"], c["model"]) for c in chunks} == {("id-0", 100, "model-0")}
+    # Every chunk speaks as the first backend the client heard from (a backend cut before its first chunk is none).
+    first = chunks[0]
+    assert {(c["id"], c["created"], c["model"]) for c in chunks} == {(first["id"], first["created"], first["model"])}
+    if chat or not cuts or cuts[0] > 0:
+        assert first["id"] == "id-0"
     roles = [c for c in chunks if c["choices"] and "role" in c["choices"][0].get("delta", {})]
     assert len(roles) == (1 if chat else 0)
     assert [c["usage"] for c in chunks if c.get("usage")] == [
