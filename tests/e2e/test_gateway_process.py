@@ -102,14 +102,17 @@ def assert_same_streams(got: list[Streamed], want: list[Streamed]) -> None:
         assert len({c["id"] for c in mine.chunks}) == 1, index
 
 
-async def test_fifty_streams_survive_the_sigkill_of_one_engine(processes: Setup) -> None:
+# SIGKILL: the process vanishes; SIGTERM: the engine aborts its in-flight requests and closes, as vLLM does without
+# --shutdown-timeout.
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+async def test_fifty_streams_survive_one_engine_killed_mid_stream(processes: Setup, sig: signal.Signals) -> None:
     calls = requests()
     survivor = f"http://127.0.0.1:{processes.engine_ports[1]}"
     want = await run_all(survivor, calls)  # uninterrupted, straight from an engine
     running = asyncio.create_task(run_all(f"http://127.0.0.1:{processes.port}", calls))
     await open_streams_reach(processes, STREAMS)
     await asyncio.sleep(0.3)  # tokens are flowing on both engines
-    processes.engines[0].send_signal(signal.SIGKILL)
+    processes.engines[0].send_signal(sig)
     got = await running
     assert_same_streams(got, want)
     continued = await metric(processes, 'spotdrain_gateway_requests_total{outcome="continued"}')
