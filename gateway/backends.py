@@ -15,8 +15,9 @@ from gateway.metrics import GatewayMetrics
 log = structlog.get_logger()
 
 # A backend that failed this way is taken out of rotation until its health check passes again; a 5xx, an error
-# event or an abort says the request failed, not that the backend is gone.
-GONE_CAUSES = frozenset({"unavailable", "reset", "timeout"})
+# event or an abort says the request failed, not that the backend is gone, and so does a reset: behind one URL (a
+# Service) another pod may answer the continuation, and a backend that is really gone refuses the next connection.
+GONE_CAUSES = frozenset({"unavailable", "timeout"})
 
 
 @dataclass

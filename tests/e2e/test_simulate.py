@@ -22,8 +22,8 @@ pytestmark = pytest.mark.e2e
 NOTICE_S = 13.0
 
 
-async def play(scenario: str, workdir: Path) -> RunResult:
-    settings = SimulationSettings(scenario, 2, 2, 20.0, 1, Timings.scaled(NOTICE_S))
+async def play(scenario: str, workdir: Path, *, gateway: bool = False) -> RunResult:
+    settings = SimulationSettings(scenario, 2, 2, 20.0, 1, Timings.scaled(NOTICE_S), gateway=gateway)
     result = await simulate(settings, workdir=workdir)
     print(render(result))  # shown when a test fails
     return result
@@ -49,6 +49,18 @@ async def test_long_streams_are_cut_and_the_sidecars_report_as_many_as_the_clien
     assert s.cut > 0
     assert s.cut_reported == s.cut == s.cut_by_engines
     assert s.completed > 0
+
+
+async def test_through_the_gateway_the_long_streams_continue_on_the_second_node_and_none_is_cut(
+    tmp_path: Path,
+) -> None:
+    result = await play("long-streams", tmp_path, gateway=True)
+    s = result.summary
+    assert result.passed
+    assert s.cut == 0
+    assert s.cut_reported > 0, "the drained pods still cut their long streams"
+    assert s.continued >= s.cut_reported
+    assert s.completed == s.started
 
 
 async def test_a_blocking_budget_is_retried_until_the_deadline_and_the_pods_go_with_the_instance(

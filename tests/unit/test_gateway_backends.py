@@ -23,7 +23,9 @@ def test_the_ready_backend_with_fewest_open_streams_is_picked_and_ties_take_turn
 def test_a_backend_that_failed_the_request_is_avoided_unless_it_is_the_only_one_ready() -> None:
     backends = pool("http://a", "http://b")
     assert url(backends.pick(avoid={"http://a"})) == "http://b"
-    backends.failed(backends.backends[1], "reset")  # gone: out of rotation
+    backends.failed(backends.backends[1], "reset")  # one stream broke: maybe one pod behind a Service
+    assert backends.backends[1].ready
+    backends.failed(backends.backends[1], "timeout")  # silent: out of rotation
     assert url(backends.pick(avoid={"http://a"})) == "http://a"
     backends.failed(backends.backends[0], "server_error")  # the request failed, the backend is still there
     assert backends.backends[0].ready
