@@ -8,6 +8,7 @@ OpenAI-style error event and ``[DONE]`` at once. Each turn is bounded by the rel
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,10 @@ from gateway.settings import GatewaySettings
 from gateway.splice import Broken, Finished, Splicer, error_event
 
 log = structlog.get_logger()
+
+# Before re-sending to a backend that already failed the request (the only one ready, e.g. one Service URL whose
+# endpoints still hold a dead pod for a moment), by continuation; the last pause repeats.
+RETRY_PAUSES_S = (0.1, 0.3, 0.6, 1.0)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class _Run:
                 return await self._cut("no_backend", broken)
             if broken is not None:
                 self._continued(*broken, to=backend.url)
+            if backend.url in avoid:  # the only one left already failed this request: give it time to recover
+                await asyncio.sleep(RETRY_PAUSES_S[min(self.continuations, len(RETRY_PAUSES_S)) - 1])
             end = await relay(
                 self.gateway.session,
                 backend,

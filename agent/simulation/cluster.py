@@ -204,6 +204,15 @@ class Cluster:
         text = "killed with SIGKILL mid-drain (notice published, pods not yet evicted); starting it again"
         self.recorder.record(Kind.AGENT_KILLED, "node agent", text)
 
+    async def lose_node(self) -> datetime:
+        """The node vanishes with no notice: its agent and every pod's processes are killed at once; returns when."""
+        lost = utcnow()
+        self.recorder.record(Kind.DEADLINE, f"node {NODE}", "the node is lost with no notice: every process on it dies")
+        if self.agent is not None:
+            self.agent.signal(signal.SIGKILL)
+        await self.kubelet.reclaim()
+        return lost
+
     async def deliver_notice(self) -> datetime:
         """Schedule the Spot interruption at IMDS or send it through the queue; returns its deadline."""
         deadline = _whole_second(utcnow() + timedelta(seconds=self.timings.notice_s))

@@ -131,6 +131,10 @@ async def _play(
         recorder.record(Kind.LOAD_STARTED, "load", f"{load.slots} concurrent streams through {via} ({shape})")
         load_task = tasks.start(load.run(), "load")
         await asyncio.sleep(t.warmup_s)  # a set time of load before the notice, not a wait for anything
+        if scenario.lose_node:
+            deadline = await cluster.lose_node()
+            await asyncio.wait([load_task], timeout=SETTLE_S)
+            return deadline, Facts(node_patches=cluster.node_patches(), node_events=0, rerouted=router.rerouted)
         deadline = await cluster.deliver_notice()
         deadline_at = recorder.now() + (deadline - utcnow()).total_seconds()
         if scenario.restart_agent:

@@ -38,6 +38,7 @@ class Scenario:
     checks: Checks
     restart_agent: bool = False
     via_sqs: bool = False
+    lose_node: bool = False  # no notice: every process on the node is killed at once
 
 
 def stream_seconds(
@@ -140,6 +141,13 @@ def _sqs(s: Summary) -> list[Check]:
     ]
 
 
+def _node_lost(s: Summary) -> list[Check]:
+    return [
+        _check("the streams on the lost node are cut and counted", s.cut > 0, f"{s.cut} of {s.started} cut"),
+        _check("the node's pods are lost with it", s.reclaimed == len(s.pods), f"{s.reclaimed} lost"),
+    ]
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -177,6 +185,15 @@ SCENARIOS: dict[str, Scenario] = {
             restart_agent=True,
         ),
         Scenario(
+            "node-lost",
+            "the node vanishes with no notice: every process on it is killed (SIGKILL) at once",
+            "nothing on the node can save its streams: each one open is cut, and the clients count them",
+            Profile.MIXED,
+            1,
+            _node_lost,
+            lose_node=True,
+        ),
+        Scenario(
             "sqs",
             "Spot interruption delivered as an EventBridge message through SQS (moto), node agent in queue mode",
             "the node is cordoned and drained, no stream is cut, and the message is deleted once done",
@@ -207,5 +224,11 @@ def _through_gateway(s: Summary) -> list[Check]:
 
 def judge(scenario: Scenario, summary: Summary, *, gateway: bool = False) -> tuple[Check, ...]:
     if gateway:
-        return tuple(_through_gateway(summary))
+        checks = _through_gateway(summary)
+        if scenario.lose_node:
+            detail = f"{summary.continued} continuations"
+            checks.append(_check("the lost node's streams continued elsewhere", summary.continued > 0, detail))
+        return tuple(checks)
+    if scenario.lose_node:  # the sidecars died with the node: they report nothing, and nothing drains
+        return tuple(scenario.checks(summary))
     return (*_common(summary), *scenario.checks(summary))

@@ -17,7 +17,7 @@ from agent.settings import add_flag, add_switch, positive_int, require, seconds
 SPOT_NOTICE_S = 120.0
 ENGINE_EXIT_MARGIN_S = 10.0  # sidecar.draining.ENGINE_EXIT_MARGIN; not imported, this module must stay light
 MIN_WINDOW_S = 2.0
-SCENARIO_NAMES = ("short-streams", "long-streams", "pdb-blocks", "agent-restart", "sqs")
+SCENARIO_NAMES = ("short-streams", "long-streams", "pdb-blocks", "agent-restart", "node-lost", "sqs")
 
 
 @dataclass(frozen=True)

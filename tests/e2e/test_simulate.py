@@ -63,6 +63,18 @@ async def test_through_the_gateway_the_long_streams_continue_on_the_second_node_
     assert s.completed == s.started
 
 
+async def test_a_lost_node_cuts_its_open_streams_and_through_the_gateway_none(tmp_path: Path) -> None:
+    for name in ("without", "through"):
+        (tmp_path / name).mkdir()
+    without = await play("node-lost", tmp_path / "without")
+    assert without.passed
+    assert without.summary.cut > 0, "nothing on a node killed outright saves its streams"
+    through = await play("node-lost", tmp_path / "through", gateway=True)
+    assert through.passed
+    assert through.summary.cut == 0
+    assert through.summary.continued > 0
+
+
 async def test_a_blocking_budget_is_retried_until_the_deadline_and_the_pods_go_with_the_instance(
     tmp_path: Path,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -13,6 +14,7 @@ from structlog.testing import capture_logs
 from agent.fakes.engine import EngineConfig
 from agent.fakes.processes import free_port
 from agent.fakes.sse_client import Streamed, read_stream
+from gateway.streaming import RETRY_PAUSES_S
 from tests.conftest import scrape
 from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference, running_engine_on
 
@@ -333,3 +335,37 @@ async def test_a_backend_whose_ready_url_fails_gets_no_new_stream_as_a_draining_
         await runner.cleanup()
     assert [g.done for g in got] == [1] * 4
     assert after == before
+
+
+async def test_the_only_backend_failing_before_the_stream_is_asked_again_after_a_pause() -> None:
+    answers: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        answers.append(loop.time())
+        if len(answers) == 1:  # a Service whose endpoints still hold a dead pod
+            return web.Response(status=502, text="upstream unreachable")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
+        chunk["choices"] = [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}]
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        return response
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with gateway(port) as gw, aiohttp.ClientSession() as session:
+            got = await read_stream(gw.url("/v1/completions"), {"prompt": "x"}, session=session)
+    finally:
+        await runner.cleanup()
+    assert (got.text, got.done) == (" ok", 1)
+    assert answers[1] - answers[0] >= RETRY_PAUSES_S[0]
