@@ -42,6 +42,8 @@ def refusal_at_start(body: dict[str, Any], *, chat: bool) -> str | None:
     prompt = body.get("prompt")
     if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return "multiple_choices" if len(prompt) > 1 else None
+    if not chat and body.get("echo"):  # the first chunk's text holds the prompt too: the text so far is not known
+        return "unsupported_prompt"
     if any(body.get(name) is not None for name in GUIDED_FIELDS):
         return "guided"
     response_format = body.get("response_format")

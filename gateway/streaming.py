@@ -84,7 +84,8 @@ class _Run:
         )
         self.continuations = 0
 
-    async def serve(self, raw: bytes) -> tuple[web.StreamResponse, str]:
+    async def serve(self, original: bytes) -> tuple[web.StreamResponse, str]:
+        raw = original
         headers = forwarded(self.headers)
         avoid: set[str] = set()
         broken: tuple[str, Broken] | None = None  # the backend that failed last, and how
@@ -118,8 +119,13 @@ class _Run:
             if (ended := await self._end_after_break(broken)) is not None:
                 return ended
             self.splicer.next_segment()
-            raw = json.dumps(continuation(self.body, self.splicer, chat=self.chat)).encode()
-            headers["Content-Type"] = "application/json"
+            if self.splicer.tokens == 0:
+                # Nothing generated reached the client: the request itself starts over. (A continuation would ask
+                # to continue an empty assistant message, which a chat template renders as a closed turn.)
+                raw, headers = original, forwarded(self.headers)
+            else:
+                raw = json.dumps(continuation(self.body, self.splicer, chat=self.chat)).encode()
+                headers["Content-Type"] = "application/json"
             comment = b""
             if self.gateway.settings.migration.mark_splices and self.client.started:
                 comment = b": spotdrain: continued after " + end.cause.encode() + b"\n\n"

@@ -337,12 +337,15 @@ async def test_a_backend_whose_ready_url_fails_gets_no_new_stream_as_a_draining_
     assert after == before
 
 
-async def test_the_only_backend_failing_before_the_stream_is_asked_again_after_a_pause() -> None:
+async def test_the_only_backend_failing_before_the_stream_gets_the_same_request_again_after_a_pause() -> None:
     answers: list[float] = []
     loop = asyncio.get_running_loop()
 
+    bodies: list[Any] = []
+
     async def completions(request: web.Request) -> web.StreamResponse:
         answers.append(loop.time())
+        bodies.append(await request.json())
         if len(answers) == 1:  # a Service whose endpoints still hold a dead pod
             return web.Response(status=502, text="upstream unreachable")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -369,3 +372,4 @@ async def test_the_only_backend_failing_before_the_stream_is_asked_again_after_a
         await runner.cleanup()
     assert (got.text, got.done) == (" ok", 1)
     assert answers[1] - answers[0] >= RETRY_PAUSES_S[0]
+    assert bodies[1] == bodies[0]  # nothing was generated yet: the request itself, not a continuation

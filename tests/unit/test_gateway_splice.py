@@ -120,7 +120,7 @@ def test_a_completion_continues_with_prompt_and_text_and_fewer_tokens() -> None:
     splicer = Splicer(chat=False, include_usage=False)
     splicer.accept(text_chunk(" a"))
     splicer.accept(text_chunk(" b"))
-    body = {"prompt": "hi", "max_tokens": 10, "echo": True, "min_tokens": 5}
+    body = {"prompt": "hi", "max_tokens": 10, "min_tokens": 5}
     assert continuation(body, splicer, chat=False) == {"prompt": "hi a b", "max_tokens": 8, "min_tokens": 3}
     assert body["prompt"] == "hi"  # the original is left alone
 
@@ -156,6 +156,7 @@ def test_a_chat_continues_as_a_final_assistant_message_or_extends_the_clients_ow
         ({"response_format": {"type": "json_schema"}}, "guided"),
         ({"response_format": {"type": "text"}}, None),
         ({"n": 1, "prompt": ["a"]}, None),
+        ({"echo": True}, "unsupported_prompt"),
     ],
 )
 def test_requests_that_can_never_continue(body: dict[str, Any], reason: str | None) -> None:
