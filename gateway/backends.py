@@ -51,6 +51,15 @@ class Pool:
         chosen.picked = next(self._picks)
         return chosen
 
+    def follow(self, urls: Sequence[str]) -> None:
+        """Backends are now ``urls`` (a Service's ready endpoints); those kept keep their state and open streams."""
+        known = {b.url: b for b in self.backends}
+        if list(known) == list(urls):
+            return
+        self.backends = [known.get(url) or Backend(url, f"{url}/health") for url in urls]
+        log.info("backends.changed", backends=list(urls))
+        self._publish()
+
     def failed(self, backend: Backend, cause: str) -> None:
         self.metrics.backend_errors.labels(kind=cause).inc()
         if cause in GONE_CAUSES and backend.ready:

@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 import structlog
 
+from agent.kube_rest import InCluster
 from agent.metrics import CollectorRegistry
 from agent.probes import probe_app, serve
 from agent.settings import log_effective
 from agent.tasks import Role, Supervisor, on_signals
 from gateway.backends import Pool, health_checker
+from gateway.endpoints import endpoint_follower
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import api_app
 from gateway.settings import GatewaySettings, from_arguments
@@ -68,9 +72,26 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
                 ),
             ),
         ]
+        if settings.service is not None:
+            roles.append(("endpoint_follower", _follower(session, pool, settings)))
         ok = await Supervisor(stop).run(roles)
     log.info("gateway.stopped")
     return 0 if ok else 1
+
+
+def _follower(session: aiohttp.ClientSession, pool: Pool, settings: GatewaySettings) -> Coroutine[Any, Any, None]:
+    service = settings.service
+    assert service is not None
+    return endpoint_follower(
+        session,
+        InCluster.from_environment(service.serviceaccount_dir),
+        pool,
+        namespace=service.namespace,
+        service=service.name,
+        port=service.port,
+        interval_s=settings.timeouts.health_interval_s,
+        timeout_s=settings.timeouts.connect_s,
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent.settings import SettingsError, add_flag, add_switch, env_name, http_url, port, positive_int, require, seconds
 
 MIB = 1 << 20
+SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,17 @@ class TimeoutSettings:
 
 
 @dataclass(frozen=True)
+class ServiceSettings:
+    namespace: str
+    name: str
+    port: str | None  # a port name or number of the slices; None: the first
+    serviceaccount_dir: Path
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     backends: tuple[str, ...]
+    service: ServiceSettings | None  # backends from this Service's EndpointSlices instead
     ready_urls: tuple[str, ...]  # one per backend, or none: then each backend's own /health
     migration: MigrationSettings
     timeouts: TimeoutSettings
@@ -70,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ready-url",
         help="a URL whose 200 puts the backend of the same position in rotation, e.g. its sidecar's /ready",
     )
+    add_flag(parser, "--service", help="NAMESPACE/NAME: backends are this Service's ready endpoints")
+    add_flag(parser, "--service-port", help="the EndpointSlice port (name or number) to use; default: the first")
+    add_flag(
+        parser,
+        "--serviceaccount-dir",
+        convert=Path,
+        default=Path(SERVICEACCOUNT_DIR),
+        help="service account token and CA, to list EndpointSlices",
+    )
     add_flag(parser, "--host", default="0.0.0.0", help="address for the API and /metrics")
     add_flag(parser, "--port", convert=port, default=8000, help="port of the OpenAI-compatible API")
     add_flag(parser, "--metrics-port", convert=port, default=9090, help="port for /metrics, /live and /ready")
@@ -95,12 +115,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--health-interval", convert=seconds, default=2.0, help="seconds between backend health checks")
 
 
+def _service(args: argparse.Namespace) -> ServiceSettings | None:
+    if not args.service:
+        return None
+    namespace, _, name = str(args.service).partition("/")
+    require(bool(namespace) and bool(name) and "/" not in name, f"--service {args.service!r} is not NAMESPACE/NAME")
+    return ServiceSettings(namespace, name, args.service_port, args.serviceaccount_dir)
+
+
 def from_arguments(args: argparse.Namespace) -> GatewaySettings:
     """Build and validate the settings; raises SettingsError with the flag's name and the reason."""
     backends = tuple(args.backend or args.backend_env or ())
-    require(bool(backends), "give at least one --backend (or SPOTDRAIN_BACKEND)")
+    service = _service(args)
+    require(bool(backends) != (service is not None), "give either --backend (at least one) or --service, not both")
     require(len(set(backends)) == len(backends), "--backend lists the same URL twice")
     ready_urls = tuple(args.ready_url or args.ready_url_env or ())
+    require(not (service and ready_urls), "--ready-url goes with --backend; a Service's endpoints carry readiness")
     require(
         len(ready_urls) in (0, len(backends)),
         f"give one --ready-url per --backend, in the same order ({len(ready_urls)} for {len(backends)})",
@@ -114,6 +144,7 @@ def from_arguments(args: argparse.Namespace) -> GatewaySettings:
         require(value > 0, f"{flag} must be above 0 seconds")
     return GatewaySettings(
         backends=backends,
+        service=service,
         ready_urls=ready_urls,
         migration=MigrationSettings(
             limit=args.migration_limit, max_tokens=args.migration_max_tokens, mark_splices=args.mark_splices

@@ -29,7 +29,7 @@ from agent.clock import utcnow
 from agent.fakes import kube_objects
 from agent.fakes.kube_api import Api, DeleteHook, Deletion
 from agent.fakes.kube_select import KubeError, Obj, bad_request
-from agent.fakes.kube_store import EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store, route
+from agent.fakes.kube_store import ENDPOINT_SLICES, EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store, route
 from agent.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
 
 log = structlog.get_logger()
@@ -227,6 +227,30 @@ class FakeKube:
             namespace, name, selector=selector, min_available=min_available, max_unavailable=max_unavailable
         )
         return self.store.create(PDBS, namespace, pdb)
+
+    def set_endpoints(self, namespace: str, service: str, endpoints: Sequence[tuple[str, int, bool]]) -> None:
+        """The Service's EndpointSlices as its controller writes them, from (IP, port, ready) per pod.
+
+        One slice per endpoint: the controller splits slices by port when pods serve a named target port on
+        different numbers, which is what lets several endpoints share 127.0.0.1 here.
+        """
+        for index, (ip, port, ready) in enumerate(endpoints):
+            name = f"{service}-{index}"
+            slice_ = {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {"name": name, "namespace": namespace, "labels": {"kubernetes.io/service-name": service}},
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}}],
+                "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            }
+            found = self.store.find(ENDPOINT_SLICES, namespace, name)
+            if found is None:
+                self.store.create(ENDPOINT_SLICES, namespace, slice_)
+            else:
+                self.store.update(
+                    ENDPOINT_SLICES, {**found, "endpoints": slice_["endpoints"], "ports": slice_["ports"]}
+                )
 
     def node(self, name: str) -> Obj:
         """The node; KeyError if there is none."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -12,11 +13,20 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from agent.fakes.engine import EngineConfig
+from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port
 from agent.fakes.sse_client import Streamed, read_stream
 from gateway.streaming import RETRY_PAUSES_S
 from tests.conftest import scrape
-from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference, running_engine_on
+from tests.gateway_harness import (
+    FAST_TOKENS_PER_S,
+    Running,
+    engines,
+    gateway,
+    metric,
+    reference,
+    running_engine_on,
+)
 
 COMPLETION = ("/v1/completions", {"prompt": "once upon a time", "max_tokens": 30})
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 30})
@@ -373,3 +383,33 @@ async def test_the_only_backend_failing_before_the_stream_gets_the_same_request_
     assert (got.text, got.done) == (" ok", 1)
     assert answers[1] - answers[0] >= RETRY_PAUSES_S[0]
     assert bodies[1] == bodies[0]  # nothing was generated yet: the request itself, not a continuation
+
+
+async def test_with_a_service_the_backends_are_its_ready_endpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FakeKube() as kube, engines(HEALTHY, HEALTHY) as (first, second):
+        for name, value in kube.service_env().items():
+            monkeypatch.setenv(name, value)
+        account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
+        kube.set_endpoints("ml", "vllm", [("127.0.0.1", first, True), ("127.0.0.1", second, True)])
+        flags = ("--service", "ml/vllm", "--serviceaccount-dir", str(account), "--service-port", "http")
+        async with gateway(flags=flags) as gw, aiohttp.ClientSession() as session:
+            await until_metric(gw, "spotdrain_gateway_backends_ready", 2)
+            want = await reference(*COMPLETION)
+            assert (await read_stream(gw.url(COMPLETION[0]), COMPLETION[1], session=session)).text == want.text
+            # The first pod's sidecar starts draining: its endpoint turns not ready.
+            kube.set_endpoints("ml", "vllm", [("127.0.0.1", first, False), ("127.0.0.1", second, True)])
+            await until_metric(gw, "spotdrain_gateway_backends_ready", 1)
+            before = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
+            calls = [read_stream(gw.url(COMPLETION[0]), COMPLETION[1], session=session) for _ in range(4)]
+            got = await asyncio.gather(*calls)
+            after = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
+    assert [g.text for g in got] == [want.text] * 4
+    assert after == before
+
+
+async def until_metric(gw: Running, sample: str, value: float) -> None:
+    async with asyncio.timeout(10):
+        while await metric(gw, sample) != value:
+            await asyncio.sleep(0.05)

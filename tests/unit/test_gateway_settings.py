@@ -21,7 +21,10 @@ def test_backends_come_from_repeated_flags_or_one_comma_separated_variable(monke
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["gateway"], "at least one --backend"),
+        (["gateway"], "either --backend"),
+        (["gateway", "--backend", "http://a", "--service", "ml/vllm"], "not both"),
+        (["gateway", "--service", "vllm"], "NAMESPACE/NAME"),
+        (["gateway", "--service", "ml/vllm", "--ready-url", "http://a:1/ready"], "--ready-url goes with --backend"),
         (["gateway", "--backend", "http://a", "--backend", "http://a"], "twice"),
         (["gateway", "--backend", "http://a", "--read-timeout", "0"], "--read-timeout"),
         (
