@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import aiohttp
 import structlog
@@ -29,11 +31,31 @@ class Backend:
     picked: int = 0  # when it was last picked, to spread ties
 
 
+class Mover:
+    """One stream's hold on its backend's response, so the gateway can move the stream before the node goes."""
+
+    def __init__(self) -> None:
+        self.moved = False
+        self._response: aiohttp.ClientResponse | None = None
+
+    def attach(self, response: aiohttp.ClientResponse | None) -> None:
+        self._response = response
+
+    def move(self) -> None:
+        """End the backend's answer now; the stream continues elsewhere with cause ``proactive``."""
+        if not self.moved:
+            self.moved = True
+            if self._response is not None:
+                self._response.close()
+
+
 class Pool:
     def __init__(self, urls: Sequence[str], metrics: GatewayMetrics, *, ready_urls: Sequence[str] = ()) -> None:
         ready_urls = ready_urls or [f"{url}/health" for url in urls]
         self.backends = [Backend(url, ready) for url, ready in zip(urls, ready_urls, strict=True)]
         self.metrics = metrics
+        self.holding: dict[str, set[Mover]] = {}  # backend URL -> the streams it is relaying
+        self.leaving: dict[str, datetime] = {}  # backend URL -> its node's termination time
         self._picks = itertools.count(1)
         self._publish()
 
@@ -43,7 +65,7 @@ class Pool:
         A backend in ``avoid`` (it already failed this request) is still chosen when it is the only ready one: a
         dropped connection does not always mean the backend is gone.
         """
-        ready = [b for b in self.backends if b.ready]
+        ready = [b for b in self.backends if b.ready and b.url not in self.leaving]
         fresh = [b for b in ready if b.url not in avoid] or ready
         if not fresh:
             return None
@@ -59,6 +81,26 @@ class Pool:
         self.backends = [known.get(url) or Backend(url, f"{url}/health") for url in urls]
         log.info("backends.changed", backends=list(urls))
         self._publish()
+
+    @contextmanager
+    def hold(self, backend: Backend, mover: Mover) -> Iterator[None]:
+        """While a stream relays from ``backend``: it can be moved off it."""
+        self.holding.setdefault(backend.url, set()).add(mover)
+        try:
+            yield
+        finally:
+            self.holding[backend.url].discard(mover)
+
+    def due(self, now: datetime, *, margin_s: float) -> list[tuple[str, Mover]]:
+        """Streams on backends whose node goes within ``margin_s``: to be moved now."""
+        soon = now + timedelta(seconds=margin_s)
+        return [
+            (url, mover)
+            for url, at in self.leaving.items()
+            if at <= soon
+            for mover in self.holding.get(url, ())
+            if not mover.moved
+        ]
 
     def failed(self, backend: Backend, cause: str) -> None:
         self.metrics.backend_errors.labels(kind=cause).inc()

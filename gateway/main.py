@@ -17,7 +17,7 @@ from agent.probes import probe_app, serve
 from agent.settings import log_effective
 from agent.tasks import Role, Supervisor, on_signals
 from gateway.backends import Pool, health_checker
-from gateway.endpoints import endpoint_follower
+from gateway.endpoints import endpoint_follower, migrator
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import api_app
 from gateway.settings import GatewaySettings, from_arguments
@@ -74,6 +74,8 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
         ]
         if settings.service is not None:
             roles.append(("endpoint_follower", _follower(session, pool, settings)))
+            interval = settings.timeouts.health_interval_s
+            roles.append(("migrator", migrator(pool, margin_s=settings.migration.margin_s, interval_s=interval)))
         ok = await Supervisor(stop).run(roles)
     log.info("gateway.stopped")
     return 0 if ok else 1

@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.backends import Backend
+from gateway.backends import Backend, Mover
 from gateway.settings import TimeoutSettings
 from gateway.splice import Broken, End, Splicer
 from gateway.sse import EventTooLarge, SseParser
@@ -124,15 +124,50 @@ async def relay(
     splicer: Splicer,
     client: ClientStream,
     timeouts: TimeoutSettings,
+    mover: Mover,
     comment: bytes = b"",
 ) -> End | Rejected:
-    """One backend's answer, relayed to ``client`` until it ends; raises ClientGone when the client does."""
+    """One backend's answer, relayed to ``client`` until it ends; raises ClientGone when the client does.
+
+    ``mover`` may end the answer early (the backend's node is about to go): that ends as Broken("proactive").
+    """
+    end = await _answer(
+        session,
+        backend,
+        path=path,
+        body=body,
+        headers=headers,
+        splicer=splicer,
+        client=client,
+        timeouts=timeouts,
+        mover=mover,
+        comment=comment,
+    )
+    if mover.moved and isinstance(end, Broken):
+        return Broken("proactive", "its node's termination time is near")
+    return end
+
+
+async def _answer(
+    session: aiohttp.ClientSession,
+    backend: Backend,
+    *,
+    path: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    splicer: Splicer,
+    client: ClientStream,
+    timeouts: TimeoutSettings,
+    mover: Mover,
+    comment: bytes,
+) -> End | Rejected:
     timeout = aiohttp.ClientTimeout(
         total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
     )
     backend.open_streams += 1
     try:
         async with session.post(backend.url + path, data=body, headers=headers, timeout=timeout) as response:
+            mover.attach(response)
             if response.status >= 500:
                 return Broken("server_error", f"HTTP {response.status}")
             if response.status != 200:
@@ -154,6 +189,7 @@ async def relay(
     except (aiohttp.ClientError, OSError) as error:
         return Broken("reset", str(error) or type(error).__name__)
     finally:
+        mover.attach(None)
         backend.open_streams -= 1
 
 

@@ -16,6 +16,7 @@ SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 @dataclass(frozen=True)
 class MigrationSettings:
     limit: int  # continuations per request
+    margin_s: float  # with --service: streams move this long before their node's termination time
     max_tokens: int  # beyond this many tokens sent, a broken stream is not continued
     mark_splices: bool  # an SSE comment line where a continuation starts
 
@@ -102,6 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a stream that has sent more tokens than this is not continued",
     )
     add_switch(parser, "--mark-splices", default=True, help="write an SSE comment line where a stream continues")
+    add_flag(
+        parser,
+        "--migration-margin",
+        convert=seconds,
+        default=15.0,
+        help="with --service: seconds before a node's spotdrain.io/termination-time that its streams move",
+    )
     add_flag(parser, "--max-body-bytes", convert=positive_int, default=16 * MIB, help="larger request bodies get 413")
     add_flag(parser, "--connect-timeout", convert=seconds, default=5.0, help="seconds to connect to a backend")
     add_flag(
@@ -147,7 +155,10 @@ def from_arguments(args: argparse.Namespace) -> GatewaySettings:
         service=service,
         ready_urls=ready_urls,
         migration=MigrationSettings(
-            limit=args.migration_limit, max_tokens=args.migration_max_tokens, mark_splices=args.mark_splices
+            limit=args.migration_limit,
+            margin_s=args.migration_margin,
+            max_tokens=args.migration_max_tokens,
+            mark_splices=args.mark_splices,
         ),
         timeouts=TimeoutSettings(
             connect_s=args.connect_timeout,

@@ -16,7 +16,8 @@ from typing import Any
 
 DONE = b"data: [DONE]\n\n"
 # Why a backend stream ended abnormally; each is a reason to continue elsewhere and a metric label.
-CAUSES = ("reset", "timeout", "server_error", "error_event", "abort", "garbage", "unavailable")
+# "proactive": the gateway itself moved the stream off a backend whose node is about to be reclaimed.
+CAUSES = ("reset", "timeout", "server_error", "error_event", "abort", "garbage", "unavailable", "proactive")
 
 
 @dataclass(frozen=True)

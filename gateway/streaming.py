@@ -18,7 +18,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.backends import Pool
+from gateway.backends import Mover, Pool
 from gateway.continuation import continuation, refusal, remaining_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
@@ -98,17 +98,20 @@ class _Run:
                 self._continued(*broken, to=backend.url)
             if backend.url in avoid:  # the only one left already failed this request: give it time to recover
                 await asyncio.sleep(RETRY_PAUSES_S[min(self.continuations, len(RETRY_PAUSES_S)) - 1])
-            end = await relay(
-                self.gateway.session,
-                backend,
-                path=self.path,
-                body=raw,
-                headers=headers,
-                splicer=self.splicer,
-                client=self.client,
-                timeouts=self.gateway.settings.timeouts,
-                comment=comment,
-            )
+            mover = Mover()
+            with self.gateway.pool.hold(backend, mover):
+                end = await relay(
+                    self.gateway.session,
+                    backend,
+                    path=self.path,
+                    body=raw,
+                    headers=headers,
+                    splicer=self.splicer,
+                    client=self.client,
+                    timeouts=self.gateway.settings.timeouts,
+                    mover=mover,
+                    comment=comment,
+                )
             if isinstance(end, Rejected):
                 return web.Response(status=end.status, body=end.body, headers=end.headers), "rejected"
             if isinstance(end, Finished) or self.splicer.finished:

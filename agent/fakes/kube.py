@@ -228,7 +228,9 @@ class FakeKube:
         )
         return self.store.create(PDBS, namespace, pdb)
 
-    def set_endpoints(self, namespace: str, service: str, endpoints: Sequence[tuple[str, int, bool]]) -> None:
+    def set_endpoints(
+        self, namespace: str, service: str, endpoints: Sequence[tuple[str, int, bool]], *, nodes: Sequence[str] = ()
+    ) -> None:
         """The Service's EndpointSlices as its controller writes them, from (IP, port, ready) per pod.
 
         One slice per endpoint: the controller splits slices by port when pods serve a named target port on
@@ -236,12 +238,15 @@ class FakeKube:
         """
         for index, (ip, port, ready) in enumerate(endpoints):
             name = f"{service}-{index}"
-            slice_ = {
+            endpoint: Obj = {"addresses": [ip], "conditions": {"ready": ready}}
+            if index < len(nodes):
+                endpoint["nodeName"] = nodes[index]
+            slice_: Obj = {
                 "apiVersion": "discovery.k8s.io/v1",
                 "kind": "EndpointSlice",
                 "metadata": {"name": name, "namespace": namespace, "labels": {"kubernetes.io/service-name": service}},
                 "addressType": "IPv4",
-                "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}}],
+                "endpoints": [endpoint],
                 "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
             }
             found = self.store.find(ENDPOINT_SLICES, namespace, name)
@@ -251,6 +256,14 @@ class FakeKube:
                 self.store.update(
                     ENDPOINT_SLICES, {**found, "endpoints": slice_["endpoints"], "ports": slice_["ports"]}
                 )
+
+    def annotate_node(self, name: str, annotations: Mapping[str, str]) -> Obj:
+        """Add annotations to the node, as the node agent's patch does."""
+        node = self.node(name)
+        meta = node["metadata"]
+        return self.store.update(
+            NODES, {**node, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), **annotations}}}
+        )
 
     def node(self, name: str) -> Obj:
         """The node; KeyError if there is none."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from agent.clock import rfc3339, utcnow
 from agent.fakes.engine import EngineConfig
 from agent.fakes.kube import FakeKube
 from agent.fakes.processes import free_port
@@ -413,3 +415,31 @@ async def until_metric(gw: Running, sample: str, value: float) -> None:
     async with asyncio.timeout(10):
         while await metric(gw, sample) != value:
             await asyncio.sleep(0.05)
+
+
+async def test_a_stream_moves_off_a_backend_before_its_nodes_termination_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = EngineConfig(tokens_per_s=100)
+    path, body = CHAT[0], {**CHAT[1], "max_tokens": 150, **USAGE}
+    want = await reference(path, body)
+    async with FakeKube() as kube, engines(slow, slow) as (first, second):
+        for name, value in kube.service_env().items():
+            monkeypatch.setenv(name, value)
+        kube.add_node("gpu-1")
+        kube.add_node("gpu-2")
+        account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
+        nodes = ("gpu-1", "gpu-2")
+        kube.set_endpoints("ml", "vllm", [("127.0.0.1", first, True), ("127.0.0.1", second, False)], nodes=nodes)
+        flags = ("--service", "ml/vllm", "--serviceaccount-dir", str(account), "--migration-margin", "10")
+        async with gateway(flags=flags) as gw, aiohttp.ClientSession() as session:
+            await until_metric(gw, "spotdrain_gateway_backends_ready", 1)
+            running = asyncio.create_task(read_stream(gw.url(path), body, session=session))
+            await until_metric(gw, "spotdrain_gateway_open_streams", 1)
+            await asyncio.sleep(0.3)  # tokens flow from the first pod
+            kube.set_endpoints("ml", "vllm", [("127.0.0.1", first, True), ("127.0.0.1", second, True)], nodes=nodes)
+            kube.annotate_node("gpu-1", {"spotdrain.io/termination-time": rfc3339(utcnow() + timedelta(seconds=5))})
+            got = await running
+            assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="proactive"}') == 1
+            assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="continued"}') == 1
+    assert_spliced(got, want, chat=True)
