@@ -35,3 +35,12 @@ def test_the_sidecar_image_runs_as_a_non_root_user_with_the_base_install_only() 
     assert "USER 65532:65532" in dockerfile
     assert "pip install --no-cache-dir --prefix=/install .\n" in dockerfile
     assert '["spotdrain", "sidecar"]' in dockerfile
+
+
+def test_the_gateway_image_runs_as_a_non_root_user_with_the_base_install_only() -> None:
+    dockerfile = (ROOT / "Dockerfile.gateway").read_text()
+    assert "USER 65532:65532" in dockerfile
+    assert "pip install --no-cache-dir --prefix=/install .\n" in dockerfile
+    assert '["spotdrain", "gateway"]' in dockerfile
+    assert "COPY sidecar" not in dockerfile
+    assert "COPY daemonset" not in dockerfile
