@@ -123,7 +123,7 @@ async def notice_watcher(
     wait_s: float,
 ) -> None:
     """Asks ``url`` for a notice until a definitive one arrives (and asks for a drain) or a drain starts another
-    way; returns then.
+    way; returns then (in the second case once the request in flight is answered, within ``wait_s``).
 
     Each request asks the endpoint to hold it up to ``wait_s`` seconds while its answer would not change (a long
     poll), so a notice arrives the moment the agent publishes it; an endpoint that answers at once anyway is asked

@@ -44,6 +44,7 @@ class NoticeBoard:
         self.by_node: dict[str, Notice] = {}
         self._changed: dict[str, asyncio.Event] = {}  # one per node with requests waiting, set and replaced on change
         self._waiting: dict[str, int] = {}
+        self._stopping = False
 
     def publish(self, node: str, notice: Notice) -> None:
         """Show a definitive notice for ``node``; an earlier deadline wins over a later one, and of two with the
@@ -76,8 +77,11 @@ class NoticeBoard:
         """Returns once the node's notice has changed (or the server stops), or after ``wait_s`` seconds."""
         self._waiting[node] = self._waiting.get(node, 0) + 1
         try:
+            event = self._changed.get(node)
+            if event is None:
+                event = self._changed[node] = asyncio.Event()
             async with asyncio.timeout(wait_s):
-                await self._changed.setdefault(node, asyncio.Event()).wait()
+                await event.wait()
         except TimeoutError:
             pass
         finally:
@@ -95,7 +99,7 @@ class NoticeBoard:
         except ValueError:
             return web.Response(status=400, text="wait is seconds to hold the request: /v1/notice?wait=30\n")
         after = request.query.get("after") or None
-        if wait_s > 0 and self._current_id(node) == after:
+        if wait_s > 0 and not self._stopping and self._current_id(node) == after:
             await self._hold(node, wait_s)
         notice = self.by_node.get(node)
         if notice is None:
@@ -103,7 +107,8 @@ class NoticeBoard:
         return web.Response(text=json.dumps(notice.public()), content_type="application/json")
 
     async def _release(self, _: web.Application) -> None:
-        # A stopping server waits for its handlers: answer the held requests with what is known now.
+        # A stopping server waits for its handlers: answer the held requests with what is known now, and hold no more.
+        self._stopping = True
         for node in list(self._changed):
             self._wake(node)
 
