@@ -1,20 +1,26 @@
-"""200 sidecar processes at default settings, each against a fake engine page of its own: their total CPU while
-serving (polling the node agent's notice endpoint every 0.5 s) and while draining (reading their engine's metrics
-every 0.5 s with in-flight above zero), and their total memory.
+"""200 sidecar processes at default settings, each against a fake engine page of its own, all waiting on one
+notice board: their total CPU while serving (each holding one long poll on the board) and while draining (reading
+their engine's metrics every 0.5 s with in-flight above zero), their total memory, and how long a published notice
+takes to put every one of them out of rotation.
 
 Targets, for 200 sidecars (about 25 eight-GPU nodes' worth):
-- serving and draining each under 0.5 cores: 2.5 millicores a sidecar, a quarter of its CPU request in the manifests
-  (10m), so that a drain never waits on a busy node's CPU;
+- serving under 0.05 cores in all: an idle sidecar waits on its held request and costs next to nothing;
+- notice published to each sidecar out of rotation (its ``drain.started``, when ``/ready`` turns 503): p99 under
+  50 ms, where polling took up to its 0.5 s interval;
+- draining under 0.5 cores: 2.5 millicores a sidecar, a quarter of its CPU request in the manifests (10m), so that
+  a drain never waits on a busy node's CPU;
 - a count of the engine's connections under 25 ms of CPU. The kernel walks its whole TCP table for it, so the sidecar
   counts only while a drain sees no progress (in-flight and tokens still, for at most ``--stall-after``): at one
   count per 0.5 s poll that is at most 5 % of a core for those seconds;
 - resident memory under 200 times the sidecar's memory request in the manifests (48Mi), since each pod has its own;
   the proportional share (PSS), which counts the interpreter's shared pages once, is reported beside it.
 
-The engine side is one process (``python -m bench.fleet pages 200``) answering every engine port and the notice endpoint
-from prebuilt pages with a bare asyncio protocol, so that it takes a small part of the machine; only the sidecars'
-CPU is counted. All processes share one network namespace, unlike pods: the sockets every draining sidecar reads
-through in ``/proc/net/tcp`` are those of all 200, and their number is reported with the draining result.
+The engine side is one process (``python -m bench.fleet pages 200``) answering every engine port from prebuilt pages
+with a bare asyncio protocol, so that it takes a small part of the machine; the notice endpoint is the agent's own
+board (``python -m bench.fleet board``: its app, and ``POST /_publish``, which only this benchmark has). Only the
+sidecars' CPU is counted. All processes share one network namespace, unlike pods: the sockets every draining
+sidecar reads through in ``/proc/net/tcp`` are those of all 200, and their number is reported with the draining
+result. The agent's own cost of 1,000 held requests is measured in ``bench.waiting``.
 """
 
 from __future__ import annotations
@@ -24,24 +30,35 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import struct
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+from aiohttp import web
 
+from agent.drain.board import NoticeBoard
+from agent.notices.notice import Kind, Notice, Source
 from bench.common import Result, cpu_s, report, rss_mb
 from simulate.fakes.processes import free_port, sidecar_args, start, wait_http
+from spotdrain.clock import parse_rfc3339, utcnow
+from spotdrain.logs import configure_logging
+from spotdrain.probes import serve
 
 SIDECARS = 200
 BATCH = 25  # sidecars started at once: their imports take the machine for a while
 WINDOW_S = 10.0
 ENDPOINT_DELAY_S = 5.0  # the sidecar's default: it reads nothing from its engine until then
 CPU_TARGET_CORES = 0.5
+IDLE_CPU_TARGET_CORES = 0.05
+PUSH_TARGET_S = 0.05
+NODE = "gpu-fleet"
 RSS_TARGET_MB = 48 * 1.048576 * SIDECARS  # the sidecar's memory request in the manifests, 48Mi
 DRAINING_IN_FLIGHT = 3
 # Taken once per 0.5 s poll only while nothing moves: 25 ms is 5 % of a core for at most --stall-after seconds.
@@ -72,29 +89,18 @@ def _answer(status: str, body: bytes, content_type: str = "text/plain; version=0
 
 
 class Pages:
-    """What every engine port and the notice endpoint answer, switched from serving to draining at once."""
+    """What every engine port answers, switched from serving to draining at once."""
 
     def __init__(self) -> None:
         self.page = vllm_page(0)
         self.tokens = 0
-        self.notice: bytes | None = None
-
-    def drain(self) -> None:
-        self.page = vllm_page(DRAINING_IN_FLIGHT)
-        deadline = (datetime.now(UTC) + timedelta(seconds=120)).strftime("%Y-%m-%dT%H:%M:%SZ")
-        notice = {"id": "fleet", "kind": "spot-interruption", "deadline": deadline, "source": "imds"}
-        self.notice = json.dumps(notice).encode()
 
     def answer(self, method: bytes, path: bytes) -> bytes:
         if path.startswith(b"/metrics"):
             self.tokens += 1
             return _answer("200 OK", str(self.tokens).encode().join(self.page))
-        if path.startswith(b"/v1/notice"):
-            if self.notice is None:
-                return b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
-            return _answer("200 OK", self.notice, "application/json")
         if method == b"POST" and path == b"/_drain":
-            self.drain()
+            self.page = vllm_page(DRAINING_IN_FLIGHT)
         return _answer("200 OK", b"ok\n")
 
 
@@ -133,18 +139,39 @@ class PageProtocol(asyncio.Protocol):
 
 
 async def serve_pages(engines: int) -> None:
-    """Serves ``engines`` engine pages and the notice endpoint, each on a port of its own, until killed.
+    """Serves ``engines`` engine pages, each on a port of its own, until killed.
 
-    Prints the ports first, as one JSON line: ``{"notice": port, "engines": [port, ...]}``.
+    Prints the ports first, as one JSON line: ``{"engines": [port, ...]}``.
     """
     pages = Pages()
     loop = asyncio.get_running_loop()
     ports = []
-    for _ in range(engines + 1):
+    for _ in range(engines):
         server = await loop.create_server(lambda: PageProtocol(pages), "127.0.0.1", 0)
         ports.append(server.sockets[0].getsockname()[1])
-    print(json.dumps({"notice": ports[0], "engines": ports[1:]}), flush=True)
+    print(json.dumps({"engines": ports}), flush=True)
     await asyncio.Event().wait()
+
+
+async def serve_board() -> None:
+    """Serves the agent's notice board for ``NODE`` until killed, as the agent serves it, plus ``POST /_publish``:
+    it publishes a Spot notice and answers the wall-clock time it did (``{"published": <epoch seconds>}``).
+
+    Prints its port first, as one JSON line: ``{"notice": port}``.
+    """
+    configure_logging(json=True, level="warning")  # nothing on stdout after the port: no one reads it
+    board = NoticeBoard(local_node=NODE)
+    app = board.app()
+
+    async def publish(_: web.Request) -> web.Response:
+        deadline = utcnow().replace(microsecond=0) + timedelta(seconds=120)
+        board.publish(NODE, Notice(Kind.SPOT_INTERRUPTION, "i-0f1ee7f1ee7f1ee70", deadline, Source.IMDS))
+        return web.json_response({"published": time.time()})
+
+    app.router.add_post("/_publish", publish)
+    port = free_port()
+    print(json.dumps({"notice": port}), flush=True)
+    await serve(app, host="127.0.0.1", port=port, name="notices")
 
 
 # The sidecars and the measurement -------------------------------------------------------------------------------------
@@ -229,24 +256,54 @@ async def _all_draining(ports: Sequence[int]) -> None:
                 await asyncio.sleep(0.1)
 
 
-async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[Result]:
-    pages = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.fleet", "pages", str(SIDECARS), stdout=asyncio.subprocess.PIPE
+async def _spawn(procs: list[asyncio.subprocess.Process], *args: str) -> dict[str, Any]:
+    """Start ``python -m bench.fleet ARGS`` and read the JSON line it prints first."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.fleet", *args, stdout=asyncio.subprocess.PIPE
     )
-    procs.append(pages)
-    assert pages.stdout is not None
-    bound = json.loads(await asyncio.wait_for(pages.stdout.readline(), 20))
-    engine_ports, notice_port = bound["engines"], bound["notice"]
-    notice_url = f"http://127.0.0.1:{notice_port}/v1/notice"
-    await wait_http(notice_url, status=204, timeout_s=20)
-    sidecars = await _start_sidecars(workdir, engine_ports, notice_url)
+    procs.append(process)
+    assert process.stdout is not None
+    bound: dict[str, Any] = json.loads(await asyncio.wait_for(process.stdout.readline(), 20))
+    return bound
+
+
+def drain_started_at(log: Path) -> float:
+    """When a sidecar logged ``drain.started`` (its ``/ready`` turned 503 then), in epoch seconds."""
+    for line in log.read_text().splitlines():
+        if '"drain.started"' in line:
+            return parse_rfc3339(json.loads(line)["timestamp"]).timestamp()
+    raise RuntimeError(f"{log} has no drain.started")
+
+
+def _push_results(delays: Sequence[float], cpu_each_s: float) -> list[Result]:
+    ranked = sorted(delays)
+    p50, p99 = statistics.median(ranked), ranked[int(len(ranked) * 0.99) - 1]
+    detail = (
+        f"notice published on the agent's board to each of {len(ranked)} sidecars' drain.started (/ready 503), "
+        f"each holding one long poll; p50 {p50 * 1000:.1f} ms, max {ranked[-1] * 1000:.1f} ms on {os.cpu_count()} "
+        f"cores; each sidecar used {cpu_each_s * 1000:.1f} ms of CPU from the publish until all were out of rotation "
+        "(one /ready request each included)"
+    )
+    return [Result.below("fleet_notice_to_out_of_rotation_p99", p99, "s", PUSH_TARGET_S, detail)]
+
+
+async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[Result]:
+    engine_ports = (await _spawn(procs, "pages", str(SIDECARS)))["engines"]
+    board = f"http://127.0.0.1:{(await _spawn(procs, 'board'))['notice']}"
+    await wait_http(f"{board}/v1/notice", status=204, timeout_s=20)
+    sidecars = await _start_sidecars(workdir, engine_ports, f"{board}/v1/notice")
     procs += [process for _, process in sidecars]
     pids = [process.pid for _, process in sidecars]
     await asyncio.sleep(2.0)  # let start-up work settle
     serving = await _cores(pids, WINDOW_S)
     async with aiohttp.ClientSession() as session:
-        await session.post(f"http://127.0.0.1:{notice_port}/_drain")
+        await session.post(f"http://127.0.0.1:{engine_ports[0]}/_drain")  # every engine page now reads in-flight 3
+        before = sum(cpu_s(pid) for pid in pids)
+        async with session.post(f"{board}/_publish") as response:
+            published = (await response.json())["published"]
     await _all_draining([port for port, _ in sidecars])
+    cpu_each_s = (sum(cpu_s(pid) for pid in pids) - before) / len(pids)
+    delays = [drain_started_at(workdir / f"sidecar-{index}.log") - published for index in range(len(sidecars))]
     await asyncio.sleep(ENDPOINT_DELAY_S + 1.0)
     draining = await _cores(pids, WINDOW_S)
     rows = tcp_rows()
@@ -257,8 +314,10 @@ async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[R
         "one count of the engine's connections (/proc/net/tcp and tcp6), taken only while a drain sees no progress; "
         f"the kernel walks its whole TCP hash table ({ehash_entries()} entries here) for it, whatever the sockets"
     )
+    serving_detail = f"{per}, each holding one long poll (--notice-wait 30) on the agent's notice board"
     return [
-        Result.below("fleet_cpu_serving", serving, "cores", CPU_TARGET_CORES, f"{per}, notice endpoint polled"),
+        Result.below("fleet_cpu_serving", serving, "cores", IDLE_CPU_TARGET_CORES, serving_detail),
+        *_push_results(delays, cpu_each_s),
         Result.below("fleet_cpu_draining", draining, "cores", CPU_TARGET_CORES, drain_detail),
         Result.below("fleet_rss_total", rss, "MB", RSS_TARGET_MB, f"{per}; proportional share (PSS) {pss:.0f} MB"),
         Result.below("sidecar_connection_count_cpu", connection_count_ms(), "ms", COUNT_TARGET_MS, count_detail),
@@ -282,6 +341,9 @@ def main(argv: Sequence[str]) -> None:
         parser = argparse.ArgumentParser(prog="python -m bench.fleet pages")
         parser.add_argument("engines", type=int)
         asyncio.run(serve_pages(parser.parse_args(argv[1:]).engines))
+        return
+    if argv[:1] == ["board"]:
+        asyncio.run(serve_board())
         return
     report(asyncio.run(measure()))
 

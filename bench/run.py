@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from bench import burst, cache, faults, fleet, gateway, inflight_parse, node, prestop, sidecar
+from bench import burst, cache, faults, fleet, gateway, inflight_parse, node, prestop, sidecar, waiting
 from bench.common import Result, report
 
 
@@ -24,6 +24,7 @@ async def run(names: set[str]) -> list[Result]:
         ("burst", burst),
         ("cache", cache),
         ("fleet", fleet),
+        ("waiting", waiting),
         ("faults", faults),
         ("gateway", gateway),
     )

@@ -100,7 +100,14 @@ async def run(settings: SidecarSettings, *, ready_flag: asyncio.Event | None = N
             roles.append(
                 (
                     "notice_watcher",
-                    notice_watcher(session, settings.drain.notice_url, lifecycle, metrics, interval_s=interval),
+                    notice_watcher(
+                        session,
+                        settings.drain.notice_url,
+                        lifecycle,
+                        metrics,
+                        interval_s=interval,
+                        wait_s=settings.drain.notice_wait_s,
+                    ),
                 )
             )
         if settings.gate.enabled:

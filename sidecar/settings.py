@@ -43,6 +43,7 @@ class DrainSettings:
     stall_after_s: float
     zero_confirm_s: float
     notice_url: str | None
+    notice_wait_s: float
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         convert=seconds,
         help="seconds in-flight must read 0 before a drain ends (default: the engine's reporting lag)",
     )
-    add_flag(parser, "--notice-url", convert=http_url, help="the node agent's notice endpoint, polled")
+    add_flag(parser, "--notice-url", convert=http_url, help="the node agent's notice endpoint")
+    add_flag(
+        parser,
+        "--notice-wait",
+        convert=seconds,
+        default=30.0,
+        help="seconds the notice endpoint may hold each request (a long poll; 0 polls every --poll-interval)",
+    )
     add_switch(parser, "--readiness-gate", default=False, help="patch the pod condition spotdrain.io/serving")
     add_flag(parser, "--pod-name", aliases=("POD_NAME",), help="this pod's name (downward API)")
     add_flag(parser, "--pod-namespace", aliases=("POD_NAMESPACE",), help="this pod's namespace (downward API)")
@@ -151,6 +159,7 @@ def from_arguments(args: argparse.Namespace) -> SidecarSettings:
                 stall_after_s=args.stall_after,
                 zero_confirm_s=engine.spec.zero_confirm_s if args.zero_confirm is None else args.zero_confirm,
                 notice_url=args.notice_url,
+                notice_wait_s=args.notice_wait,
             ),
             gate=GateSettings(
                 enabled=args.readiness_gate,

@@ -214,7 +214,10 @@ async def _settle(flag: asyncio.Event) -> None:
 
 
 async def _restart_agent(cluster: Cluster, seen: _Seen) -> None:
-    """Kills the node agent once the notice is out (a pod left rotation) and starts it again; returns then."""
+    """Kills the node agent once the notice is out (a pod left rotation) and the node is marked, and starts it
+    again; returns then. The sidecars learn of a notice before the node is patched, so a pod out of rotation alone
+    would kill the agent before the mark its restart is to find."""
     await seen.flag(Kind.OUT_OF_ROTATION).wait()
+    await seen.flag(Kind.TAINTED).wait()
     await cluster.kill_agent()
     await cluster.start_agent()

@@ -74,7 +74,7 @@ async def _watch(answers: list[Answer]) -> tuple[Lifecycle, SidecarMetrics]:
         serving("/v1/notice", lambda: queue.pop(0) if len(queue) > 1 else queue[0]) as url,
         aiohttp.ClientSession() as session,
     ):
-        watch = notice_watcher(session, url + "/v1/notice", lifecycle, metrics, interval_s=0.001)
+        watch = notice_watcher(session, url + "/v1/notice", lifecycle, metrics, interval_s=0.001, wait_s=30)
         await asyncio.wait_for(watch, 10)
     return lifecycle, metrics
 
@@ -112,6 +112,7 @@ def test_a_notice_deadline_at_the_start_of_time_ends_the_drain_at_once_without_o
         stall_after_s=15,
         zero_confirm_s=1,
         notice_url=None,
+        notice_wait_s=30,
     )
     assert drain_deadline(lifecycle, settings_, 100.0) == 100.0
 

@@ -61,6 +61,17 @@ def test_invalid_combinations_are_refused_with_the_reason(argv: list[str], messa
         settings_for(*argv)
 
 
+def test_the_sidecar_long_polls_for_30_s_by_default_and_polls_with_a_wait_of_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert settings_for().drain.notice_wait_s == 30
+    monkeypatch.setenv("SPOTDRAIN_NOTICE_WAIT", "0")
+    assert settings_for().drain.notice_wait_s == 0
+    assert settings_for("--notice-wait", "12.5").drain.notice_wait_s == 12.5
+    with pytest.raises(SystemExit):
+        settings_for("--notice-wait", "-1")
+
+
 def test_pod_identity_comes_from_the_downward_api_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POD_NAME", "vllm-0")
     monkeypatch.setenv("POD_NAMESPACE", "inference")
