@@ -96,7 +96,19 @@ PDBS = Resource(
     has_status=True,
     fields=_META,
 )
-RESOURCES = {(r.group_version, r.plural): r for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS)}
+SECRETS = Resource(
+    group_version="v1", plural="secrets", kind="Secret", namespaced=True, has_status=False, fields=_META | {"type"}
+)
+# Cluster-scoped, no status (k8s.io/api/admissionregistration/v1): what the self-managed webhook reads and patches.
+MUTATING_WEBHOOKS = Resource(
+    group_version="admissionregistration.k8s.io/v1",
+    plural="mutatingwebhookconfigurations",
+    kind="MutatingWebhookConfiguration",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset({"metadata.name"}),
+)
+RESOURCES = {(r.group_version, r.plural): r for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, SECRETS, MUTATING_WEBHOOKS)}
 SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
 
 
