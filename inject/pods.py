@@ -105,7 +105,8 @@ def _engine_port(container: Obj, engine: str) -> int:
         value = line[i + 1] if part == "--port" and i + 1 < len(line) else part.partition("=")[2]
         if (part == "--port" or part.startswith("--port=")) and value.isdigit():
             return int(value)
-    ports = [p.get("containerPort") for p in container.get("ports") or [] if isinstance(p, dict)]
+    where = f"container {container.get('name')!r}"
+    ports = [p.get("containerPort") for p in _list_of(container, "ports", where) if isinstance(p, dict)]
     return int(ports[0]) if ports and isinstance(ports[0], int) else ENGINE_PORTS[engine]
 
 
@@ -216,12 +217,22 @@ def _check_free(spec: Obj, engine: Obj, where: str) -> None:
             isinstance(p, dict) and p.get("containerPort") == SIDECAR_PORT for p in ports
         ):
             raise InjectError(f"{where}: container {container.get('name')!r} uses port {SIDECAR_PORT}, the sidecar's")
-    for volume in spec.get("volumes") or []:
+    for volume in _list_of(spec, "volumes", where):
         if isinstance(volume, dict) and volume.get("name") == SIDECAR and "emptyDir" not in volume:
             raise InjectError(f"{where}: a volume named {SIDECAR!r} exists and is not an emptyDir")
     grace = spec.get("terminationGracePeriodSeconds", 30)
     if not isinstance(grace, int) or isinstance(grace, bool):
         raise InjectError(f"{where}.terminationGracePeriodSeconds is not a whole number of seconds")
+
+
+def _list_of(obj: Obj, key: str, where: str) -> list[Any]:
+    """``obj[key]`` as a list to read, empty when absent or null."""
+    items = obj.get(key)
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise InjectError(f"{where}.{key} is not a list")
+    return items
 
 
 def _list(obj: Obj, key: str, where: str) -> list[Any]:
@@ -251,7 +262,8 @@ def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> 
     """Give one pod spec the sidecar for its ``engine`` container (running ``kind``), in place."""
     spec = target.spec
     _check_free(spec, engine, target.where)
-    theirs = [v for v in spec.get("volumes") or [] if isinstance(v, dict) and v.get("name") == TOKEN_VOLUME]
+    volumes = _list_of(spec, "volumes", target.where)
+    theirs = [v for v in volumes if isinstance(v, dict) and v.get("name") == TOKEN_VOLUME]
     if options.readiness_gate and theirs and theirs[0] != token_volume():
         raise InjectError(f"{target.where}: a volume named {TOKEN_VOLUME!r} exists and is not the account's token")
     sidecar = sidecar_container(_engine_args(engine, kind, target.ray_params), options)
