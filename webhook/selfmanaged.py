@@ -4,7 +4,7 @@ CA as the configuration's ``caBundle`` at start.
 The first replica to start makes them and creates the Secret; a replica that finds it (or loses the race to
 create it, 409) uses what is there, so every replica serves a certificate the one caBundle trusts. The CA's key
 is discarded once the serving certificate is signed: nothing else can ever be signed with a CA the API server
-trusts for this webhook. To renew, delete the Secret and restart the webhook.
+trusts for this webhook. The certificate is valid ten years; to renew, delete the Secret and restart the webhook.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 import aiohttp
 import structlog
 
+from spotdrain.certificates import Bundle, make_bundle
 from spotdrain.clock import utcnow
 from spotdrain.kube_rest import InCluster, call
 from spotdrain.retry import ApiError, retrying
-from webhook.certificates import Bundle, make_bundle, service_names
 from webhook.settings import TlsSettings
 
 log = structlog.get_logger()
@@ -35,6 +35,12 @@ Obj = dict[str, Any]
 
 class ProvisionError(Exception):
     """The certificate cannot be had or trusted; the message says what to do."""
+
+
+def service_names(service: str, namespace: str) -> list[str]:
+    """The names the API server may use for the Service: it calls ``<service>.<namespace>.svc``."""
+    base = f"{service}.{namespace}"
+    return [f"{base}.svc", f"{base}.svc.cluster.local", base, service]
 
 
 def _b64(data: bytes) -> str:

@@ -1,8 +1,10 @@
-"""The self-managed webhook's certificate authority and serving certificate, made with ``cryptography``.
+"""A certificate authority of its own and one serving certificate it signs, made with ``cryptography``: what the
+self-managed webhook serves (its CA goes into the configuration's ``caBundle``, nowhere else), and what the fakes
+that speak HTTPS on 127.0.0.1 serve.
 
-Pure: keys and certificates in, PEM out; where they are kept is ``webhook.selfmanaged``'s business. The CA signs
-nothing but this webhook's serving certificate, and the API server trusts it for this webhook alone (it goes into
-the configuration's ``caBundle``, nowhere else).
+Pure: PEM out, kept by the caller. The CA's key is not returned: the CA signs the one certificate and nothing
+else, ever. ``cryptography`` is the webhook extra's (and a test dependency): only the programs that make
+certificates import this module.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-VALID_FOR = timedelta(days=3650)  # no rotation to run: delete the Secret and restart the webhook to renew
+VALID_FOR = timedelta(days=3650)
 BACKDATE = timedelta(hours=1)  # an API server whose clock runs a little behind still accepts it
 
 
@@ -38,15 +40,9 @@ class Bundle:
         return {str(name) for name in alternative.get_values_for_type(x509.DNSName)}
 
 
-def service_names(service: str, namespace: str) -> list[str]:
-    """The names the API server may use for the Service: it calls ``<service>.<namespace>.svc``."""
-    base = f"{service}.{namespace}"
-    return [f"{base}.svc", f"{base}.svc.cluster.local", base, service]
-
-
-def make_bundle(hosts: Sequence[str], *, now: datetime) -> Bundle:
+def make_bundle(hosts: Sequence[str], *, now: datetime, valid_for: timedelta = VALID_FOR) -> Bundle:
     """A new CA, and a serving certificate it signs for ``hosts`` (DNS names or IP addresses)."""
-    start, end = now - BACKDATE, now + VALID_FOR
+    start, end = now - BACKDATE, now + valid_for
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "spotdrain webhook CA")])
     ca = (
