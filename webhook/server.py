@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import ssl
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -91,6 +92,23 @@ def ssl_context(settings: WebhookSettings) -> ssl.SSLContext:
     return context
 
 
+async def certificate_reloader(context: ssl.SSLContext, cert: Path, key: Path, *, interval_s: float) -> None:
+    """Load the certificate and key again whenever their files change (cert-manager renews them in the Secret the
+    kubelet keeps mounted), so new connections get the new one; runs until cancelled. A pair that does not load
+    (the kubelet mid-update, a key that is not the certificate's) keeps the old one and is tried again later."""
+    loaded = (cert.read_bytes(), key.read_bytes())
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            current = (cert.read_bytes(), key.read_bytes())
+            if current != loaded:
+                context.load_cert_chain(cert, key)
+                loaded = current
+                log.info("webhook.certificate_reloaded", cert=str(cert))
+        except (OSError, ssl.SSLError) as error:
+            log.warning("webhook.certificate_reload_failed", error=str(error))
+
+
 async def run(settings: WebhookSettings, *, ready_flag: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM or SIGINT; returns the exit code."""
     log_effective("webhook", settings)
@@ -106,10 +124,17 @@ async def run(settings: WebhookSettings, *, ready_flag: asyncio.Event | None = N
     on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
     app = webhook_app(settings.inject, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
     context = ssl_context(settings)
+    tls = settings.tls
     server = serve(
         app, host=settings.host, port=settings.port, ready_flag=ready_flag, name="webhook", ssl_context=context
     )
-    roles: list[Role] = [("webhook_server", server)]
+    roles: list[Role] = [
+        ("webhook_server", server),
+        (
+            "certificate_reloader",
+            certificate_reloader(context, tls.cert, tls.key, interval_s=tls.reload_interval_s),
+        ),
+    ]
     return 0 if await Supervisor(stop).run(roles) else 1
 
 

@@ -19,6 +19,7 @@ class TlsSettings:
     key: Path
     # Self-managed: the webhook makes its CA and certificate itself (kept in a Secret its replicas share), writes
     # them to cert and key, and puts the CA into the configuration's caBundle.
+    reload_interval_s: float  # how often the files are checked for a renewed certificate
     self_managed: bool
     secret: str
     configuration: str
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--port", convert=port, default=8443, help="port for /mutate and /healthz (HTTPS)")
     add_flag(parser, "--tls-cert", convert=Path, help="serving certificate (PEM); written there when self-managed")
     add_flag(parser, "--tls-key", convert=Path, help="its private key (PEM); written there when self-managed")
+    add_flag(
+        parser, "--tls-reload-interval", convert=seconds, default=30.0, help="seconds between checks for a renewed pair"
+    )
     add_switch(
         parser,
         "--self-managed-tls",
@@ -65,11 +69,13 @@ def from_arguments(args: argparse.Namespace) -> WebhookSettings:
     """Build and validate the settings; raises SettingsError with the flag's name and the reason."""
     require(args.tls_cert is not None and args.tls_key is not None, "--tls-cert and --tls-key are both needed")
     require(args.read_timeout > 0, "--read-timeout must be above 0 seconds")
+    require(args.tls_reload_interval > 0, "--tls-reload-interval must be above 0 seconds")
     if args.self_managed_tls:
         require(bool(args.namespace), "--self-managed-tls needs --namespace (or POD_NAMESPACE)")
     tls = TlsSettings(
         cert=args.tls_cert,
         key=args.tls_key,
+        reload_interval_s=args.tls_reload_interval,
         self_managed=args.self_managed_tls,
         secret=args.tls_secret,
         configuration=args.webhook_configuration,

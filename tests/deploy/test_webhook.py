@@ -151,24 +151,29 @@ def test_the_certificate_files_are_on_the_volume_each_mode_fills(
         assert template.spec["automountServiceAccountToken"] is False
 
 
-def test_cert_manager_issues_for_the_service_and_injects_the_ca_from_that_certificate() -> None:
+def test_cert_manager_signs_for_the_service_with_the_ca_the_configuration_trusts() -> None:
     objects = render("deploy/webhook/cert-manager")
-    certificate = one(objects, "Certificate", "spotdrain-webhook")
-    annotation = _configuration(objects)["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
-    assert annotation == f"{certificate['metadata']['namespace']}/{certificate['metadata']['name']}"
+    serving = one(objects, "Certificate", "spotdrain-webhook")
     service = one(objects, "Service", "spotdrain-webhook")
-    assert f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc" in certificate["spec"]["dnsNames"]
-    issuer = one(objects, "Issuer", certificate["spec"]["issuerRef"]["name"])
-    assert issuer["metadata"]["namespace"] == certificate["metadata"]["namespace"]
-    assert certificate["spec"]["issuerRef"] == {
-        "name": issuer["metadata"]["name"],
-        "kind": "Issuer",
-        "group": "cert-manager.io",
-    }
-    # The fields used, as cert-manager's v1 API defines them (cert-manager.io_certificates.yaml, _issuers.yaml).
-    assert set(certificate["spec"]) <= {"secretName", "dnsNames", "issuerRef", "duration", "renewBefore", "privateKey"}
-    assert set(certificate["spec"]["privateKey"]) <= {"algorithm", "size", "rotationPolicy"}
-    assert issuer["spec"] == {"selfSigned": {}}
+    assert f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc" in serving["spec"]["dnsNames"]
+    # The serving certificate's issuer signs with the CA Certificate's Secret, and that CA is what is injected, so
+    # renewing the serving certificate leaves the caBundle as it was.
+    ca_issuer = one(objects, "Issuer", serving["spec"]["issuerRef"]["name"])
+    ca = next(
+        c for c in named(objects, "Certificate") if c["spec"]["secretName"] == ca_issuer["spec"]["ca"]["secretName"]
+    )
+    assert ca["spec"]["isCA"] is True
+    annotation = _configuration(objects)["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+    assert annotation == f"{ca['metadata']['namespace']}/{ca['metadata']['name']}"
+    assert one(objects, "Issuer", ca["spec"]["issuerRef"]["name"])["spec"] == {"selfSigned": {}}
+    for certificate in (serving, ca):
+        issuer = one(objects, "Issuer", certificate["spec"]["issuerRef"]["name"])
+        assert issuer["metadata"]["namespace"] == certificate["metadata"]["namespace"]
+        assert certificate["spec"]["issuerRef"]["kind"] == "Issuer"
+        # The fields used, as cert-manager's v1 API defines them (cert-manager.io_certificates.yaml).
+        fields = {"secretName", "dnsNames", "issuerRef", "duration", "renewBefore", "privateKey", "isCA", "commonName"}
+        assert set(certificate["spec"]) <= fields
+        assert set(certificate["spec"]["privateKey"]) <= {"algorithm", "size", "rotationPolicy"}
     assert grants(objects, NAMESPACE, ACCOUNT) == set()  # with cert-manager the webhook calls no API
 
 

@@ -46,6 +46,7 @@ def settings(directory: Path) -> TlsSettings:
     return TlsSettings(
         cert=directory / "tls.crt",
         key=directory / "tls.key",
+        reload_interval_s=30.0,
         self_managed=True,
         secret="spotdrain-webhook-tls",
         configuration=CONFIGURATION,

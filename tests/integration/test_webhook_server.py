@@ -19,6 +19,7 @@ from simulate.fakes.processes import free_port
 from simulate.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
 from spotdrain.probes import serve
 from tests.unit.test_webhook_admission import admission_review, vllm_pod
+from webhook import server
 from webhook.admission import LABEL
 from webhook.server import webhook_app
 
@@ -30,6 +31,7 @@ class Webhook:
     url: str
     client_ssl: ssl.SSLContext
     files: TlsFiles
+    server_ssl: ssl.SSLContext
 
 
 @pytest.fixture
@@ -38,19 +40,14 @@ async def webhook(tmp_path: Path) -> AsyncIterator[Webhook]:
     app = webhook_app(Options(), max_body_bytes=64 * 1024, read_timeout_s=READ_TIMEOUT_S)
     listening = asyncio.Event()
     port = free_port()
+    context = server_ssl_context(files)
     task = asyncio.create_task(
-        serve(
-            app,
-            host="127.0.0.1",
-            port=port,
-            ready_flag=listening,
-            name="webhook",
-            ssl_context=server_ssl_context(files),
-        )
+        serve(app, host="127.0.0.1", port=port, ready_flag=listening, name="webhook", ssl_context=context)
     )
     await asyncio.wait_for(listening.wait(), 10)
     try:
-        yield Webhook(f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(files.ca_path)), files)
+        client = ssl.create_default_context(cafile=str(files.ca_path))
+        yield Webhook(f"https://127.0.0.1:{port}", client, files, context)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -131,3 +128,54 @@ async def test_a_client_that_drops_the_connection_mid_body_does_not_stop_the_ser
     writer.transport.abort()
     status, _ = await _post(webhook, admission_review(vllm_pod({LABEL: "true"})))
     assert status == 200
+
+
+async def test_a_pod_that_trips_the_mutation_is_admitted_unchanged_with_a_warning(
+    webhook: Webhook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(request: object, options: object) -> None:
+        raise KeyError("a shape no rule foresaw")
+
+    monkeypatch.setattr(server, "mutate", broken)
+    status, body = await _post(webhook, admission_review(vllm_pod({LABEL: "true"}), uid="u-2"))
+    assert status == 200
+    response = json.loads(body)["response"]
+    assert (response["uid"], response["allowed"], "patch" in response) == ("u-2", True, False)
+    assert "could not read this Pod" in response["warnings"][0]
+
+
+async def test_a_renewed_certificate_is_served_to_new_connections_without_a_restart(
+    webhook: Webhook, tmp_path: Path
+) -> None:
+    reloader = asyncio.create_task(
+        server.certificate_reloader(
+            webhook.server_ssl, webhook.files.cert_path, webhook.files.key_path, interval_s=0.05
+        )
+    )
+    try:
+        webhook.files.key_path.write_bytes(b"half-written")  # the kubelet mid-update: the old pair stays
+        await asyncio.sleep(0.2)
+        await _healthz(webhook.url, webhook.client_ssl)
+        renewed = write_tls_files(tmp_path / "renewed")
+        webhook.files.cert_path.write_bytes(renewed.cert_path.read_bytes())
+        webhook.files.key_path.write_bytes(renewed.key_path.read_bytes())
+        trusting_renewed = ssl.create_default_context(cafile=str(renewed.ca_path))
+
+        async def served() -> bool:
+            try:
+                await _healthz(webhook.url, trusting_renewed)
+            except aiohttp.ClientConnectorCertificateError:
+                return False
+            return True
+
+        async with asyncio.timeout(10):
+            while not await served():
+                await asyncio.sleep(0.05)
+    finally:
+        reloader.cancel()
+        await asyncio.gather(reloader, return_exceptions=True)
+
+
+async def _healthz(url: str, context: ssl.SSLContext) -> None:
+    async with aiohttp.ClientSession() as session, session.get(url + "/healthz", ssl=context) as response:
+        assert response.status == 200
