@@ -139,3 +139,23 @@ async def test_a_token_without_patch_on_the_configuration_fails_with_the_api_ser
     account = kube.serviceaccount_dir(tmp_path / "sa", namespace=NAMESPACE, token=token)
     with pytest.raises(ApiError, match="cannot patch resource"):
         await provision(settings(tmp_path / "a"), serviceaccount_dir=account)
+
+
+@pytest.mark.parametrize("garbage", [0, 1])  # a proxy's HTML page; an object cut off
+async def test_an_answer_that_is_not_json_is_retried_not_raised(kube: FakeKube, tmp_path: Path, garbage: int) -> None:
+    kube.faults.inject("garbage", "GET", "/mutatingwebhookconfigurations/", garbage=garbage)
+    tls = settings(tmp_path / "a")
+    await provision(tls, serviceaccount_dir=kube.serviceaccount_dir(tmp_path / "sa", namespace=NAMESPACE))
+    assert len(kube.faults.struck) == 1  # the garbage came, and the call was made again
+    assert kube.count("GET", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}") == 1
+    await handshake(tls, ca_bundles(kube)[0], f"{SERVICE}.{NAMESPACE}.svc")
+
+
+async def test_a_create_whose_answer_was_lost_reads_the_secret_it_made(kube: FakeKube, tmp_path: Path) -> None:
+    # The API stored the Secret, then the connection dropped: the retried create is a 409, and the Secret is ours.
+    kube.faults.inject("drop", "POST", "/secrets", applied=True)
+    tls = settings(tmp_path / "a")
+    await provision(tls, serviceaccount_dir=kube.serviceaccount_dir(tmp_path / "sa", namespace=NAMESPACE))
+    assert len(kube.faults.struck) == 1
+    assert len(kube.store.items(SECRETS, NAMESPACE)) == 1
+    await handshake(tls, ca_bundles(kube)[0], f"{SERVICE}.{NAMESPACE}.svc")
