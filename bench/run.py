@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from bench import burst, cache, faults, fleet, inflight_parse, node, prestop, sidecar, webhook
+from bench import burst, cache, faults, fleet, gateway, inflight_parse, node, prestop, sidecar, webhook
 from bench.common import Result, report
 
 
@@ -25,6 +25,7 @@ async def run(names: set[str]) -> list[Result]:
         ("cache", cache),
         ("fleet", fleet),
         ("faults", faults),
+        ("gateway", gateway),
         ("webhook", webhook),
     )
     for name, module in modules:

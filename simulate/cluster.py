@@ -17,7 +17,7 @@ from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import engine_args, free_port, sidecar_args, wait_http
 from simulate.kubelet import Kubelet, Pod
-from simulate.observe import agent_note, engine_cut, note_taker, sidecar_note
+from simulate.observe import agent_note, engine_cut, gateway_note, note_taker, sidecar_note
 from simulate.procs import Proc, ProcessGroup
 from simulate.queue import Queue
 from simulate.scenarios import Scenario
@@ -46,6 +46,7 @@ class Cluster:
         self.imds_url = ""
         self.queue: Queue | None = Queue(self.procs) if scenario.via_sqs else None
         self._ports: set[int] = set()
+        self.spare_ports: dict[str, int] = {}
         self.notice_port = self.metrics_port = 0
         self.agent: Proc | None = None
         self._agent_starts = 0
@@ -54,6 +55,11 @@ class Cluster:
     @property
     def pod_names(self) -> list[str]:
         return [f"vllm-{index}" for index in range(self.settings.pods)]
+
+    @property
+    def spare_names(self) -> list[str]:
+        """With ``--gateway``, as many pods again on a second node that no notice reaches."""
+        return [f"spare-{index}" for index in range(self.settings.pods)] if self.settings.gateway else []
 
     @property
     def notice_url(self) -> str:
@@ -81,7 +87,11 @@ class Cluster:
         # Picked once the fakes listen on the ports the kernel gave them, so that none of these can be one of those.
         self.notice_port, self.metrics_port = self.port(), self.port()
         async with asyncio.timeout(STARTUP_S):
-            await asyncio.gather(self.start_agent(), *(self._start_pod(name) for name in self.pod_names))
+            await asyncio.gather(
+                self.start_agent(),
+                *(self._start_pod(name) for name in self.pod_names),
+                *(self._start_spare(name) for name in self.spare_names),
+            )
 
     def _seed_api(self) -> None:
         self.kube.add_node(NODE, provider_id=f"aws:///us-east-1a/{INSTANCE}", labels={"nvidia.com/gpu.present": "true"})
@@ -128,6 +138,27 @@ class Cluster:
         pod.engine_report = report
         self.kubelet.adopt(pod)
         await wait_http(f"http://127.0.0.1:{sidecar_port}/ready", status=200, timeout_s=STARTUP_S)
+
+    async def _start_spare(self, name: str) -> None:
+        """A pod on the second node: only its engine takes part, since nothing ever drains it."""
+        port = self.port()
+        args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s))
+        await self.procs.start(f"{name}-engine", args)
+        await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=STARTUP_S)
+        self.spare_ports[name] = port
+
+    async def start_gateway(self, backend_url: str) -> str:
+        """``spotdrain gateway`` in front of ``backend_url`` (the router, standing for the Service); its URL."""
+        port, metrics_port = self.port(), self.port()
+        flags = {"--host": "127.0.0.1", "--port": port, "--metrics-port": metrics_port, "--backend": backend_url}
+        flags |= {"--health-interval": 0.2}
+        args = [text for flag, value in flags.items() for text in (flag, str(value))]
+        listener = note_taker(self.recorder, "gateway", gateway_note)
+        await self.procs.start(
+            "gateway", ["-m", "spotdrain.cli", "--log-format", "json", "gateway", *args], listener=listener
+        )
+        await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=STARTUP_S)
+        return f"http://127.0.0.1:{port}"
 
     def _sidecar_flags(self) -> list[str]:
         t = self.timings
@@ -179,6 +210,15 @@ class Cluster:
         await self.agent.exited()
         text = "killed with SIGKILL mid-drain (notice published, pods not yet evicted); starting it again"
         self.recorder.record(Kind.AGENT_KILLED, "node agent", text)
+
+    async def lose_node(self) -> datetime:
+        """The node vanishes with no notice: its agent and every pod's processes are killed at once; returns when."""
+        lost = utcnow()
+        self.recorder.record(Kind.DEADLINE, f"node {NODE}", "the node is lost with no notice: every process on it dies")
+        if self.agent is not None:
+            self.agent.signal(signal.SIGKILL)
+        await self.kubelet.reclaim()
+        return lost
 
     async def deliver_notice(self) -> datetime:
         """Schedule the Spot interruption at IMDS or send it through the queue; returns its deadline."""

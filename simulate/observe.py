@@ -52,6 +52,15 @@ def agent_note(fields: Fields) -> Note | None:
     return None
 
 
+def gateway_note(fields: Fields) -> Note | None:
+    """The timeline entry for one of the gateway's log events: each continuation."""
+    event = fields.get("event")
+    if event == "gateway.continued":
+        text = f"a stream broken by {fields.get('cause')} continues elsewhere after {fields.get('tokens_sent')} tokens"
+        return Note(Kind.CONTINUED, text)
+    return None
+
+
 def sidecar_note(fields: Fields, *, pod: str) -> Note | None:
     """The timeline entry for one of a sidecar's log events, if it makes one."""
     event = fields.get("event")

@@ -20,15 +20,24 @@ def header(settings: SimulationSettings, scenario: Scenario) -> str:
         [
             f"spotdrain simulate: {scenario.name}",
             f"  {scenario.title}",
-            f"  {settings.pods} pods on one node, {settings.streams_per_pod} streams each at "
+            f"  {settings.pods} pods on one node{_spare(settings)}, {settings.streams_per_pod} streams each at "
             f"{settings.tokens_per_s:g} tokens/s; a notice of {t.notice_s:g} s stands for the 120 s of a Spot warning",
             f"  sidecars: drain timeout {t.window_s:g} s, endpoint delay {t.endpoint_delay_s:g} s; "
             f"node agent: eviction margin {t.eviction_margin_s:g} s, eviction delay {t.eviction_delay_s:g} s",
-            f"  expected: {scenario.expectation}",
+            f"  expected: {GATEWAY_EXPECTATION if settings.gateway else scenario.expectation}",
             "",
             f"{'time':>10}  {'who':<12}  what",
         ]
     )
+
+
+GATEWAY_EXPECTATION = "no stream is cut: the gateway continues every stream a pod cannot finish on the second node"
+
+
+def _spare(settings: SimulationSettings) -> str:
+    if not settings.gateway:
+        return ""
+    return f" and {settings.pods} on a second node that stays, clients through spotdrain gateway"
 
 
 def event_line(event: Event) -> str:

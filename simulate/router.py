@@ -90,6 +90,10 @@ class Router:
             response.force_close()
         return response
 
+    async def health(self, _: web.Request) -> web.Response:
+        """The router itself is up (the gateway in front of it asks); which pods are ready is its own business."""
+        return web.Response(text="ok\n")
+
     async def poller(self, backend: Backend) -> None:
         """Follows one sidecar's ``/ready`` every ``poll_s``, recording each change; runs until cancelled."""
         assert self._session is not None
@@ -123,6 +127,7 @@ class Router:
         rotation, which is after the router accepts requests."""
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/health", self.health)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
         # Connections are closed after each request, so none idles on an engine's port between streams.
         connector = aiohttp.TCPConnector(limit=0, force_close=True)

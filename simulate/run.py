@@ -116,7 +116,7 @@ async def simulate(
         events=events,
         streams=tuple(sorted(recorder.streams, key=lambda s: s.id)),
         summary=summary,
-        checks=judge(scenario, summary),
+        checks=judge(scenario, summary, gateway=settings.gateway),
     )
 
 
@@ -130,9 +130,14 @@ async def _play(
         tasks.start(node_watcher(lambda: cluster.kube.node(NODE), recorder, name=NODE), "node-watcher")
         load = _load(settings, scenario, recorder, router_url=router_url)
         shape = f"{settings.pods} pods x {settings.streams_per_pod}"
-        recorder.record(Kind.LOAD_STARTED, "load", f"{load.slots} concurrent streams through the router ({shape})")
+        via = "the gateway and the router" if settings.gateway else "the router"
+        recorder.record(Kind.LOAD_STARTED, "load", f"{load.slots} concurrent streams through {via} ({shape})")
         load_task = tasks.start(load.run(), "load")
         await asyncio.sleep(t.warmup_s)  # a set time of load before the notice, not a wait for anything
+        if scenario.lose_node:
+            deadline = await cluster.lose_node()
+            await asyncio.wait([load_task], timeout=SETTLE_S)
+            return deadline, Facts(node_patches=cluster.node_patches(), node_events=0, rerouted=router.rerouted)
         deadline = await cluster.deliver_notice()
         deadline_at = recorder.now() + (deadline - utcnow()).total_seconds()
         if scenario.restart_agent:
@@ -160,16 +165,20 @@ def _deadline_ahead(recorder: Recorder, deadline_at: float) -> None:
 
 
 async def _route(cluster: Cluster, recorder: Recorder, tasks: _Tasks, *, poll_s: float) -> tuple[Router, str]:
-    """Start the router; returns it and its URL once every pod is in rotation."""
+    """Start the router (and the gateway in front of it); returns it and the clients' URL once every pod is in
+    rotation."""
     backends = [
         Backend(pod.name, f"http://127.0.0.1:{pod.engine_port}", f"http://127.0.0.1:{pod.sidecar_port}/ready")
         for pod in cluster.kubelet.pods.values()
     ]
+    for name, engine_port in cluster.spare_ports.items():
+        backends.append(Backend(name, f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{engine_port}/health"))
     router = Router(backends, recorder, poll_s=poll_s, on_change=cluster.kubelet.probed)
     port = cluster.port()
     tasks.start(router.serve(port=port), "router")
     await asyncio.wait_for(router.all_ready.wait(), STARTUP_S)
-    return router, f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    return router, (await cluster.start_gateway(url) if cluster.settings.gateway else url)
 
 
 def _load(settings: SimulationSettings, scenario: Scenario, recorder: Recorder, *, router_url: str) -> Load:

@@ -40,6 +40,7 @@ class Scenario:
     via_sqs: bool = False
     always_allow: bool = True  # the budget says unhealthyPodEvictionPolicy: AlwaysAllow, as deploy/ ships it
     pods: int | None = None  # the scenario's own number of pods, whatever --pods says
+    lose_node: bool = False  # no notice: every process on the node is killed at once
 
 
 def stream_seconds(
@@ -161,6 +162,13 @@ def _sqs(s: Summary) -> list[Check]:
     ]
 
 
+def _node_lost(s: Summary) -> list[Check]:
+    return [
+        _check("the streams on the lost node are cut and counted", s.cut > 0, f"{s.cut} of {s.started} cut"),
+        _check("the node's pods are lost with it", s.reclaimed == len(s.pods), f"{s.reclaimed} lost"),
+    ]
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -209,6 +217,15 @@ SCENARIOS: dict[str, Scenario] = {
             restart_agent=True,
         ),
         Scenario(
+            "node-lost",
+            "the node vanishes with no notice: every process on it is killed (SIGKILL) at once",
+            "nothing on the node can save its streams: each one open is cut, and the clients count them",
+            Profile.MIXED,
+            1,
+            _node_lost,
+            lose_node=True,
+        ),
+        Scenario(
             "sqs",
             "Spot interruption delivered as an EventBridge message through SQS (moto), node agent in queue mode",
             "the node is cordoned and drained, no stream is cut, and the message is deleted once done",
@@ -221,5 +238,29 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def judge(scenario: Scenario, summary: Summary) -> tuple[Check, ...]:
+def _through_gateway(s: Summary) -> list[Check]:
+    """With the gateway, a stream a pod could not finish is continued on the other node: clients see none cut."""
+    out = [p.name for p in s.pods if p.out_at is None]
+    return [
+        _check("every pod left rotation", not out, f"still in rotation: {', '.join(out)}" if out else "all did"),
+        _none_cut(s),
+        _check(
+            "every stream the sidecars cut was continued",
+            s.continued >= s.cut_reported,
+            f"sidecars reported {s.cut_reported} cut, the gateway continued {s.continued}",
+        ),
+        _check("short streams still complete", s.completed > 0, f"{s.completed} completed intact"),
+        _all_gone(s),
+    ]
+
+
+def judge(scenario: Scenario, summary: Summary, *, gateway: bool = False) -> tuple[Check, ...]:
+    if gateway:
+        checks = _through_gateway(summary)
+        if scenario.lose_node:
+            detail = f"{summary.continued} continuations"
+            checks.append(_check("the lost node's streams continued elsewhere", summary.continued > 0, detail))
+        return tuple(checks)
+    if scenario.lose_node:  # the sidecars died with the node: they report nothing, and nothing drains
+        return tuple(scenario.checks(summary))
     return (*_common(summary), *scenario.checks(summary))

@@ -17,7 +17,7 @@ from spotdrain.settings import add_flag, add_switch, positive_int, require, seco
 SPOT_NOTICE_S = 120.0
 ENGINE_EXIT_MARGIN_S = 10.0  # sidecar.draining.ENGINE_EXIT_MARGIN; not imported, this module must stay light
 MIN_WINDOW_S = 2.0
-SCENARIO_NAMES = ("short-streams", "long-streams", "pdb-blocks", "agent-restart", "sqs")
+SCENARIO_NAMES = ("short-streams", "long-streams", "pdb-blocks", "agent-restart", "node-lost", "sqs")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class SimulationSettings:
     json: bool = False
     html: Path | None = None
     log_dir: Path | None = None
+    gateway: bool = False  # spotdrain gateway in front of the router, and a second node that is not interrupted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_switch(parser, "--json", default=False, help="print the result as JSON instead of the timeline")
     add_flag(parser, "--html", convert=Path, help="also write the timeline as a self-contained HTML page")
     add_flag(parser, "--log-dir", convert=Path, help="keep every process's log here (default: a temporary dir)")
+    add_switch(
+        parser, "--gateway", default=False, help="clients go through spotdrain gateway; a second node takes over"
+    )
 
 
 def from_arguments(args: argparse.Namespace) -> SimulationSettings:
@@ -94,4 +98,5 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
         json=args.json,
         html=args.html,
         log_dir=args.log_dir,
+        gateway=args.gateway,
     )

@@ -72,6 +72,7 @@ class Summary:
     all_gone_at: float | None  # the last pod left the API (None: some never did)
     spare_s: float | None  # deadline minus all_gone_at
     pods: tuple[PodSummary, ...]
+    continued: int = 0  # streams the gateway continued on another pod (with --gateway)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,4 +171,5 @@ def summarize(
         all_gone_at=all_gone_at,
         spare_s=_since(deadline_at, all_gone_at),
         pods=per_pod,
+        continued=count(Kind.CONTINUED),
     )

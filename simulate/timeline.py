@@ -36,6 +36,7 @@ class Kind(enum.StrEnum):
     MESSAGE_DELETED = "message_deleted"
     RECLAIMED = "reclaimed"  # a pod still on the instance when it was reclaimed
     DEADLINE = "deadline"
+    CONTINUED = "continued"  # the gateway continued a broken stream on another pod
     STREAM_COMPLETED = "stream_completed"
     STREAM_CUT = "stream_cut"
     REFUSED = "refused"

@@ -25,6 +25,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "agent.node_settings",
         "agent.main",
     ),
+    "gateway": (
+        "an OpenAI-compatible proxy that continues a broken stream on another replica",
+        "gateway.settings",
+        "gateway.main",
+    ),
     "cache": ("prepare the NVMe model cache once and exit", "agent.cache.settings", "agent.cache.run"),
     "inject": (
         "print a manifest with the sidecar, probes, preStop, volume and grace period added",

@@ -42,11 +42,12 @@ async def scrape(url: str, name: str) -> float | None:
 
 
 def every_series() -> CollectorRegistry:
-    """A registry holding every series the two programs export, as they are at start."""
+    """A registry holding every series the programs export, as they are at start."""
     from agent.cache.run import CacheMetrics
     from agent.drain.metrics import AgentMetrics
     from agent.notices.imds import ImdsMetrics
     from agent.notices.sqs import SqsMetrics
+    from gateway.metrics import GatewayMetrics
     from sidecar.metrics import SidecarMetrics
 
     registry = CollectorRegistry()
@@ -55,6 +56,7 @@ def every_series() -> CollectorRegistry:
     ImdsMetrics(registry)
     SqsMetrics.create(registry)
     CacheMetrics.create(registry)
+    GatewayMetrics.create(registry)
     return registry
 
 

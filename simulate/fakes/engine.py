@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import signal
 import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from simulate.fakes.openai_format import DONE, Job, Stream, error_body, read_job, sse
+from simulate.fakes.tokens import VOCAB, Context, text_of
 
 log = structlog.get_logger()
 
@@ -47,6 +51,14 @@ class EngineConfig:
     # receiving buffered bytes does after vLLM has counted the request finished.
     linger_s: float = 0.0
     metrics_port: int | None = None  # also serve on this port, as Ray's metrics agent does beside Serve's
+    max_model_len: int = 32768
+    fault: str | None = None  # one of FAULTS: how each stream fails once it has sent ``fault_after`` tokens
+    fault_after: int = 0
+
+
+# drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
+# bytes, connection open; garbage: bytes that are not SSE, with the 200; unavailable: a 503 before any stream.
+FAULTS = ("drop", "abort", "error", "hang", "garbage", "unavailable")
 
 
 class VllmMetrics:
@@ -149,26 +161,71 @@ class FakeEngine:
         return sum(self.running) + sum(self.waiting)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-            max_tokens = int(body.get("max_tokens", 16))
-            prompt = str(body.get("prompt", ""))
-        except (ValueError, AttributeError, TypeError):
-            return web.json_response({"error": {"message": "invalid request body"}}, status=400)
-        if max_tokens < 1:
-            return web.json_response({"error": {"message": "max_tokens must be at least 1"}}, status=400)
+            job = read_job(await request.json(), chat=chat, max_model_len=self.config.max_model_len)
+        except ValueError as error:  # InvalidRequest, or a body that is not JSON
+            return web.json_response(error_body(str(error) or "invalid request body"), status=400)
+        if self.config.fault == "unavailable":
+            return web.json_response(
+                error_body("engine unavailable", kind="ServiceUnavailableError", code=503), status=503
+            )
         engine = next(self._next_engine)
+        prefix = "chatcmpl" if chat else "cmpl"
+        out = Stream(chat, f"{prefix}-{next(self._ids):016x}", int(time.time()), self.config.model, job.token_ids)
+        if not job.stream:
+            return web.json_response(await self._generate_whole(job, out, engine=engine))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        await self._stream(response, engine=engine, prompt=prompt, max_tokens=max_tokens)
+        await self._stream(request, response, engine=engine, job=job, out=out)
         return response
 
-    async def _stream(self, response: web.StreamResponse, *, engine: int, prompt: str, max_tokens: int) -> None:
+    async def _generate_whole(self, job: Job, out: Stream, *, engine: int) -> dict[str, object]:
+        ids: list[int] = []
+        finish, stop = "length", None
+        async with aclosing(self._tokens(job, engine=engine)) as tokens:
+            async for token, finish_now, stop_now in tokens:
+                ids += [] if token is None else [token]
+                if finish_now is not None:
+                    finish, stop = finish_now, stop_now
+        return out.whole(text_of(ids), finish=finish, stop=stop, prompt_ids=job.prompt_ids, ids=ids)
+
+    async def _tokens(self, job: Job, *, engine: int) -> AsyncGenerator[tuple[int | None, str | None, str | None]]:
+        """The engine's steps: (token or None for a stop string, finish_reason, stop_reason), paced, counted."""
         labels = self.labels(engine)
-        request_id = f"cmpl-{next(self._ids):016x}"
-        created = int(time.time())
+        context = Context(job.prompt_ids)
+        self.metrics.prompt_tokens.labels(**labels).inc(max(1, len(job.prompt_ids)))
+        last = time.monotonic()
+        generated = 0
+        try:
+            while generated < job.max_tokens:
+                await asyncio.sleep(1 / self.config.tokens_per_s)
+                token = context.next_token()
+                context.push(token)
+                now = time.monotonic()
+                (self.metrics.ttft if generated == 0 else self.metrics.itl).labels(**labels).observe(now - last)
+                last = now
+                generated += 1
+                self.kv_tokens[engine] += 1
+                self.metrics.generation_tokens.labels(**labels).inc()
+                self._publish(engine)
+                if VOCAB[token].strip() in job.stop:  # vLLM leaves the stop string out of the text by default
+                    yield None, "stop", VOCAB[token].strip()
+                    return
+                yield token, "length" if generated == job.max_tokens else None, None
+        finally:
+            self.kv_tokens[engine] -= generated
+
+    async def _stream(
+        self, request: web.Request, response: web.StreamResponse, *, engine: int, job: Job, out: Stream
+    ) -> None:
+        labels = self.labels(engine)
         started = time.monotonic()
-        self.metrics.prompt_tokens.labels(**labels).inc(max(1, len(prompt.split())))
         self.waiting[engine] += 1
         self._publish(engine)
         async with self.slots[engine]:
@@ -178,58 +235,85 @@ class FakeEngine:
             generated = 0
             leaked = released = False
             try:
-                last = time.monotonic()
-                while generated < max_tokens:
-                    await asyncio.sleep(1 / self.config.tokens_per_s)
-                    await response.write(self._chunk(request_id, created, generated, max_tokens))
-                    now = time.monotonic()
-                    (self.metrics.ttft if generated == 0 else self.metrics.itl).labels(**labels).observe(now - last)
-                    last = now
-                    generated += 1
-                    self.kv_tokens[engine] += 1
-                    self.metrics.generation_tokens.labels(**labels).inc()
-                    self._publish(engine)
+                first = out.first(role=job.role, prompt_ids=job.prompt_ids)
+                if first is not None:
+                    await response.write(first)
+                async with aclosing(self._tokens(job, engine=engine)) as tokens:
+                    async for token, finish, stop in tokens:
+                        if self._faults_at(generated) and await self._fault(request, response, job, out):
+                            return
+                        ids = [] if token is None else [token]
+                        first_ids = job.prompt_ids if generated == 0 else None
+                        await response.write(
+                            out.token(text_of(ids), ids, finish=finish, stop=stop, prompt_ids=first_ids)
+                        )
+                        generated += 1
                 if self.config.linger_s > 0:
                     self.running[engine] -= 1
                     released = True
                     self._publish(engine)
                     await asyncio.sleep(self.config.linger_s)
-                await response.write(b"data: [DONE]\n\n")
+                if job.include_usage:
+                    await response.write(out.usage(len(job.prompt_ids), generated))
+                await response.write(DONE)
                 await response.write_eof()
                 self.completed += 1
                 self.metrics.e2e.labels(**labels).observe(time.monotonic() - started)
             except ConnectionResetError:
                 leaked = self.config.leak_disconnected
-                log.info("engine.client_gone", request=request_id, generated=generated, leaked=leaked)
+                log.info("engine.client_gone", request=out.id, generated=generated, leaked=leaked)
             except asyncio.CancelledError:
                 self.cut += 1
                 raise
             finally:
-                self.kv_tokens[engine] -= generated
                 if not leaked and not released:
                     self.running[engine] -= 1
                 self._publish(engine)
 
-    def _chunk(self, request_id: str, created: int, index: int, max_tokens: int) -> bytes:
-        choice = {
-            "index": 0,
-            "text": f" t{index}",
-            "logprobs": None,
-            "finish_reason": "length" if index == max_tokens - 1 else None,
-            "stop_reason": None,
-        }
-        chunk = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.config.model,
-            "choices": [choice],
-            "usage": None,
-        }
-        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+    def _faults_at(self, generated: int) -> bool:
+        return self.config.fault is not None and generated == self.config.fault_after
+
+    async def _fault(self, request: web.Request, response: web.StreamResponse, job: Job, out: Stream) -> bool:
+        """Fail this stream as configured, after ``fault_after`` tokens; True when the stream is over."""
+        fault = self.config.fault
+        generated = self.config.fault_after
+        log.info("engine.fault", request=out.id, fault=fault, generated=generated)
+        if fault == "drop":  # the TCP connection goes, as when the node or the process vanishes
+            if request.transport is not None:
+                request.transport.abort()
+            return True
+        if fault == "abort":  # what vLLM streams for a request it aborted (finish_reason "abort"), then usage, [DONE]
+            await response.write(out.token("", [], finish="abort", stop=None, prompt_ids=None))
+            if job.include_usage:
+                await response.write(out.usage(len(job.prompt_ids), generated))
+        elif fault == "error":  # vLLM's streaming error event, then [DONE]
+            await response.write(sse(error_body("engine failed", kind="InternalServerError", code=500)))
+        elif fault == "garbage":
+            await response.write(b"<html>502 Bad Gateway</html>\r\n\x00\xff\n\n")
+        elif fault == "hang":
+            await asyncio.Event().wait()
+        else:
+            return False
+        if fault != "garbage":
+            await response.write(DONE)
+        await response.write_eof()
+        return True
 
     async def metrics_page(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, _: web.Request) -> web.Response:
+        """vLLM's model list (vllm/entrypoints/openai/models/serving.py, ``show_available_models``)."""
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -237,6 +321,8 @@ class FakeEngine:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/health", self.health)
         return app
@@ -253,6 +339,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, EngineConfig]:
     parser.add_argument("--leak-disconnected", action="store_true", help="keep counting streams whose client left")
     parser.add_argument("--report-delay", type=float, default=0.0, help="seconds the metrics page lags the engine")
     parser.add_argument("--linger", type=float, default=0.0, help="seconds a stream stays open after its gauge drops")
+    parser.add_argument("--fault", choices=FAULTS, help="fail every stream this way (see FAULTS)")
+    parser.add_argument("--fault-after", type=int, default=0, help="tokens a stream sends before its fault")
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -262,6 +350,8 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, EngineConfig]:
         leak_disconnected=args.leak_disconnected,
         report_delay_s=args.report_delay,
         linger_s=args.linger,
+        fault=args.fault,
+        fault_after=args.fault_after,
     )
     return args, config
 

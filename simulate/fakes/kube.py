@@ -32,7 +32,7 @@ from simulate.fakes.faults import Faults
 from simulate.fakes.kube_api import Api, DeleteHook, Deletion
 from simulate.fakes.kube_auth import Accounts
 from simulate.fakes.kube_select import KubeError, Obj, bad_request
-from simulate.fakes.kube_store import EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store, route
+from simulate.fakes.kube_store import ENDPOINT_SLICES, EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store, route
 from simulate.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
 from spotdrain.clock import utcnow
 
@@ -264,6 +264,43 @@ class FakeKube:
         if (pod := self.store.find(PODS, namespace, name)) is None:
             return None
         return self.store.update(PODS, kube_objects.with_containers_ready(pod, ready, now=self._now()))
+
+    def set_endpoints(
+        self, namespace: str, service: str, endpoints: Sequence[tuple[str, int, bool]], *, nodes: Sequence[str] = ()
+    ) -> None:
+        """The Service's EndpointSlices as its controller writes them, from (IP, port, ready) per pod.
+
+        One slice per endpoint: the controller splits slices by port when pods serve a named target port on
+        different numbers, which is what lets several endpoints share 127.0.0.1 here.
+        """
+        for index, (ip, port, ready) in enumerate(endpoints):
+            name = f"{service}-{index}"
+            endpoint: Obj = {"addresses": [ip], "conditions": {"ready": ready}}
+            if index < len(nodes):
+                endpoint["nodeName"] = nodes[index]
+            slice_: Obj = {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {"name": name, "namespace": namespace, "labels": {"kubernetes.io/service-name": service}},
+                "addressType": "IPv4",
+                "endpoints": [endpoint],
+                "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            }
+            found = self.store.find(ENDPOINT_SLICES, namespace, name)
+            if found is None:
+                self.store.create(ENDPOINT_SLICES, namespace, slice_)
+            else:
+                self.store.update(
+                    ENDPOINT_SLICES, {**found, "endpoints": slice_["endpoints"], "ports": slice_["ports"]}
+                )
+
+    def annotate_node(self, name: str, annotations: Mapping[str, str]) -> Obj:
+        """Add annotations to the node, as the node agent's patch does."""
+        node = self.node(name)
+        meta = node["metadata"]
+        return self.store.update(
+            NODES, {**node, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), **annotations}}}
+        )
 
     def node(self, name: str) -> Obj:
         """The node; KeyError if there is none."""

@@ -96,6 +96,16 @@ PDBS = Resource(
     has_status=True,
     fields=_META,
 )
+# The EndpointSlice controller writes these from a Service's pods: an endpoint per pod, ``conditions.ready`` from
+# the pod's Ready condition (k8s.io/api/discovery/v1 types.go; nil ready means ready).
+ENDPOINT_SLICES = Resource(
+    group_version="discovery.k8s.io/v1",
+    plural="endpointslices",
+    kind="EndpointSlice",
+    namespaced=True,
+    has_status=False,
+    fields=_META,
+)
 SECRETS = Resource(
     group_version="v1", plural="secrets", kind="Secret", namespaced=True, has_status=False, fields=_META | {"type"}
 )
@@ -108,7 +118,10 @@ MUTATING_WEBHOOKS = Resource(
     has_status=False,
     fields=frozenset({"metadata.name"}),
 )
-RESOURCES = {(r.group_version, r.plural): r for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, SECRETS, MUTATING_WEBHOOKS)}
+RESOURCES = {
+    (r.group_version, r.plural): r
+    for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES, SECRETS, MUTATING_WEBHOOKS)
+}
 SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
 
 

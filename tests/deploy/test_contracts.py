@@ -105,6 +105,29 @@ def test_inference_pods_may_patch_their_status_and_nothing_else(directory: str) 
         assert granted == {("", "pods/status", "patch", template.namespace)}, template.name
 
 
+def test_the_gateway_may_list_its_services_endpointslices_and_read_nodes_and_nothing_else() -> None:
+    source = (ROOT / "gateway" / "endpoints.py").read_text()
+    assert "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices?" in source
+    assert "/api/v1/nodes/{name}" in source
+    objects = render("deploy/gateway")
+    [template] = pod_templates(objects)
+    granted = grants(objects, str(template.namespace), template.spec["serviceAccountName"])
+    assert granted == {("discovery.k8s.io", "endpointslices", "list", "inference"), ("", "nodes", "get", None)}
+    args = template.containers[0]["args"]
+    assert "--service=inference/vllm" in args  # the Service of deploy/vllm, in the namespace the Role covers
+
+
+def test_the_gateway_runs_on_on_demand_nodes_unprivileged_with_a_read_only_root() -> None:
+    [template] = pod_templates(render("deploy/gateway"))
+    terms = template.spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    [expression] = terms["nodeSelectorTerms"][0]["matchExpressions"]
+    assert (expression["key"], expression["values"]) == ("karpenter.sh/capacity-type", ["on-demand"])
+    context = template.containers[0]["securityContext"]
+    assert context["runAsNonRoot"]
+    assert context["readOnlyRootFilesystem"]
+    assert context["capabilities"]["drop"] == ["ALL"]
+
+
 @pytest.mark.parametrize("directory", kustomizations())
 def test_no_role_grants_a_wildcard(directory: str) -> None:
     for role in named(render(directory), "ClusterRole") + named(render(directory), "Role"):
@@ -192,7 +215,7 @@ def _calls() -> list[Invocation]:
 
 def test_every_spotdrain_container_is_found() -> None:
     render("daemonset/base")  # skips without kubectl
-    assert {call.subcommand for call in _calls()} == {"sidecar", "node", "cache", "webhook"}
+    assert {call.subcommand for call in _calls()} == {"sidecar", "node", "cache", "webhook", "gateway"}
 
 
 @pytest.mark.parametrize("call", _calls(), ids=lambda call: call.where)

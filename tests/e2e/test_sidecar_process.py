@@ -94,7 +94,7 @@ async def test_sigterm_holds_termination_until_every_stream_has_completed(pod: P
     assert pod.sidecar.returncode is None, "the sidecar must stay up while streams run"
     assert [r[-1] for r in results] == ["[DONE]"] * 3
     assert [len(r) - 1 for r in results] == list(lengths)
-    assert results[2][1:4] == [" t1", " t2", " t3"]
+    assert results[2][:40] == results[0][:40]  # same prompt, same tokens: nothing lost or reordered
 
     assert await asyncio.wait_for(pod.sidecar.wait(), 3) == 0
     assert (pod.drain_dir / "drained").exists()

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.e2e
 NOTICE_S = 13.0
 
 
-async def play(scenario: str, workdir: Path) -> RunResult:
-    settings = SimulationSettings(scenario, 2, 2, 20.0, 1, Timings.scaled(NOTICE_S))
+async def play(scenario: str, workdir: Path, *, gateway: bool = False) -> RunResult:
+    settings = SimulationSettings(scenario, 2, 2, 20.0, 1, Timings.scaled(NOTICE_S), gateway=gateway)
     result = await simulate(settings, workdir=workdir)
     print(render(result))  # shown when a test fails
     return result
@@ -58,6 +58,30 @@ async def test_the_shipped_budget_lets_both_unready_pods_of_the_node_be_evicted(
     assert [p.ready_when_evicted for p in s.pods] == [False, False]
     assert (s.evictions, s.evictions_given_up, s.reclaimed) == (2, 0, 0)
     assert s.cut == 0
+
+
+async def test_through_the_gateway_the_long_streams_continue_on_the_second_node_and_none_is_cut(
+    tmp_path: Path,
+) -> None:
+    result = await play("long-streams", tmp_path, gateway=True)
+    s = result.summary
+    assert result.passed
+    assert s.cut == 0
+    assert s.cut_reported > 0, "the drained pods still cut their long streams"
+    assert s.continued >= s.cut_reported
+    assert s.completed == s.started
+
+
+async def test_a_lost_node_cuts_its_open_streams_and_through_the_gateway_none(tmp_path: Path) -> None:
+    for name in ("without", "through"):
+        (tmp_path / name).mkdir()
+    without = await play("node-lost", tmp_path / "without")
+    assert without.passed
+    assert without.summary.cut > 0, "nothing on a node killed outright saves its streams"
+    through = await play("node-lost", tmp_path / "through", gateway=True)
+    assert through.passed
+    assert through.summary.cut == 0
+    assert through.summary.continued > 0
 
 
 async def test_a_blocking_budget_is_retried_until_the_deadline_and_the_pods_go_with_the_instance(

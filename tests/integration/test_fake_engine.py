@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
 
 import aiohttp
+import pytest
 
 from sidecar.engines import ENGINES, read_engine
 from simulate.fakes.engine import EngineConfig
@@ -68,3 +71,128 @@ async def test_a_lingering_stream_leaves_the_gauge_before_its_last_bytes() -> No
         assert await scrape(url, "vllm:num_requests_running") == 0
         assert (await running)[-1] == "[DONE]"
         assert await scrape(url, "vllm:num_requests_running") == 0
+
+
+async def events(port: int, path: str, body: dict[str, Any]) -> list[Any]:
+    """Every ``data:`` payload of one streamed response, JSON decoded ([DONE] as the string); stops at a cut."""
+    out: list[Any] = []
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://127.0.0.1:{port}{path}", json={**body, "stream": True}) as response,
+    ):
+        try:
+            async for raw in response.content:
+                line = raw.decode(errors="replace").strip()
+                if line.startswith("data: "):
+                    data = line.removeprefix("data: ")
+                    out.append(data if data == "[DONE]" else json.loads(data))
+        except aiohttp.ClientPayloadError:
+            out.append("cut")
+    return out
+
+
+def completion_text(chunks: list[Any]) -> str:
+    return "".join(c["choices"][0]["text"] for c in chunks if isinstance(c, dict) and c["choices"])
+
+
+def chat_text(chunks: list[Any]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if isinstance(c, dict) and c["choices"])
+
+
+FAST = EngineConfig(tokens_per_s=2000)
+
+
+async def test_a_completion_continued_from_prompt_and_text_so_far_yields_the_uninterrupted_tokens() -> None:
+    async with running_engine(FAST) as port:
+        whole = completion_text(await events(port, "/v1/completions", {"prompt": "tell me", "max_tokens": 30}))
+        head = completion_text(await events(port, "/v1/completions", {"prompt": "tell me", "max_tokens": 12}))
+        rest = await events(port, "/v1/completions", {"prompt": "tell me" + head, "max_tokens": 18})
+        assert head + completion_text(rest) == whole
+        assert len(whole.split()) == 30
+
+
+async def test_a_completion_continued_from_token_ids_yields_the_uninterrupted_tokens() -> None:
+    body = {"prompt": "tell me", "return_token_ids": True}
+    async with running_engine(FAST) as port:
+        whole = await events(port, "/v1/completions", {**body, "max_tokens": 20})
+        head = await events(port, "/v1/completions", {**body, "max_tokens": 8})
+        prompt_ids = head[0]["choices"][0]["prompt_token_ids"]
+        generated = [i for c in head[:-1] for i in c["choices"][0]["token_ids"]]
+        rest = await events(port, "/v1/completions", {"prompt": prompt_ids + generated, "max_tokens": 12})
+        assert completion_text(head) + completion_text(rest) == completion_text(whole)
+        assert head[1]["choices"][0]["prompt_token_ids"] is None  # prompt ids ride on the first chunk only
+
+
+async def test_a_chat_continued_as_a_final_assistant_message_yields_the_uninterrupted_tokens() -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    async with running_engine(FAST) as port:
+        whole = chat_text(await events(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 25}))
+        head = chat_text(await events(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 10}))
+        continued = {
+            "messages": [*messages, {"role": "assistant", "content": head}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "max_tokens": 15,
+        }
+        assert head + chat_text(await events(port, "/v1/chat/completions", continued)) == whole
+        assert len(whole.split()) == 25
+
+
+async def test_a_chat_stream_has_vllms_shape_role_first_finish_on_the_last_token_then_usage() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream_options": {"include_usage": True}}
+    async with running_engine(FAST) as port:
+        chunks = await events(port, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [c["choices"][0]["finish_reason"] for c in chunks[1:5]] == [None, None, None, "length"]
+    assert chunks[5]["choices"] == []
+    assert chunks[5]["usage"]["completion_tokens"] == 4
+    assert chunks[6] == "[DONE]"
+    assert len(chunks) == 7
+    assert {c["object"] for c in chunks[:6]} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks[:6]}) == 1
+
+
+async def test_a_stop_word_ends_the_stream_with_stop_and_is_left_out() -> None:
+    async with running_engine(FAST) as port:
+        whole = completion_text(await events(port, "/v1/completions", {"prompt": "p", "max_tokens": 40}))
+        word = whole.split()[5]
+        chunks = await events(port, "/v1/completions", {"prompt": "p", "max_tokens": 40, "stop": [word]})
+    assert chunks[-2]["choices"][0] | {"text": ""} == chunks[-2]["choices"][0]
+    assert (chunks[-2]["choices"][0]["finish_reason"], chunks[-2]["choices"][0]["stop_reason"]) == ("stop", word)
+    assert completion_text(chunks) == whole[: whole.index(" " + word)]
+
+
+async def test_models_lists_the_served_model() -> None:
+    async with (
+        running_engine(FAST) as port,
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}/v1/models") as response,
+    ):
+        body = await response.json()
+    assert [m["id"] for m in body["data"]] == [FAST.model]
+
+
+@pytest.mark.parametrize(
+    ("fault", "tail"),
+    [("abort", ["abort", "[DONE]"]), ("error", ["error", "[DONE]"]), ("drop", ["cut"])],
+)
+async def test_a_faulty_engine_fails_each_stream_after_its_tokens(fault: str, tail: list[str]) -> None:
+    async with running_engine(EngineConfig(tokens_per_s=2000, fault=fault, fault_after=3)) as port:
+        chunks = await events(port, "/v1/completions", {"prompt": "p", "max_tokens": 10})
+
+    def kind(chunk: Any) -> str:
+        if isinstance(chunk, str):
+            return chunk
+        return "error" if "error" in chunk else str(chunk["choices"][0]["finish_reason"])
+
+    assert [kind(c) for c in chunks] == ["None"] * 3 + tail
+
+
+async def test_an_unavailable_engine_answers_503_before_any_stream() -> None:
+    async with (
+        running_engine(EngineConfig(fault="unavailable")) as port,
+        aiohttp.ClientSession() as session,
+        session.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "p"}) as response,
+    ):
+        assert response.status == 503
+        assert (await response.json())["error"]["code"] == 503

@@ -46,6 +46,17 @@ def test_the_sidecar_image_has_its_command_and_nothing_of_the_node_agent_or_its_
     assert loaded == ["sidecar"]
 
 
+def test_the_gateway_image_has_its_command_and_nothing_of_the_node_agent_or_its_dependencies() -> None:
+    assert copied_packages("Dockerfile.gateway") == {"spotdrain", "gateway"}
+    loaded = _in_image(
+        "Dockerfile.gateway",
+        "import spotdrain.cli, gateway.main\n"
+        + COMMANDS
+        + "print(*[m for m in ('boto3', 'botocore', 'kubernetes_asyncio', 'yaml') if m in sys.modules])\n",
+    )
+    assert loaded == ["gateway"]
+
+
 def test_the_agent_image_has_the_node_and_cache_commands_and_no_sidecar() -> None:
     assert copied_packages("Dockerfile.agent") == {"spotdrain", "agent"}
     commands = _in_image("Dockerfile.agent", "import spotdrain.cli, agent.main, agent.cache.run\n" + COMMANDS)
@@ -99,3 +110,10 @@ def test_the_sidecar_image_runs_as_a_non_root_user_with_the_base_install_only() 
     assert "USER 65532:65532" in dockerfile
     assert "pip install --no-cache-dir --prefix=/install .\n" in dockerfile
     assert '["spotdrain", "sidecar"]' in dockerfile
+
+
+def test_the_gateway_image_runs_as_a_non_root_user_with_the_base_install_only() -> None:
+    dockerfile = (ROOT / "Dockerfile.gateway").read_text()
+    assert "USER 65532:65532" in dockerfile
+    assert "pip install --no-cache-dir --prefix=/install .\n" in dockerfile
+    assert '["spotdrain", "gateway"]' in dockerfile

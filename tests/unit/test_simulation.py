@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from sidecar.draining import ENGINE_EXIT_MARGIN
 from simulate import cli, run
 from simulate.load import parse_line
-from simulate.observe import agent_note, node_marks, sidecar_note
+from simulate.observe import agent_note, gateway_note, node_marks, sidecar_note
 from simulate.page import render_html
 from simulate.report import as_json, render
 from simulate.run import RunResult
@@ -104,6 +104,25 @@ def test_long_streams_fail_when_the_sidecars_report_fewer_cuts_than_the_clients_
     checks = verdict("long-streams", drained_node(), cut)
     assert checks["long streams are cut at the deadline"] is True
     assert checks["cut streams reported = cut streams seen"] is False
+
+
+def test_through_the_gateway_a_cut_the_sidecars_reported_must_have_been_continued() -> None:
+    events = drained_node(cut=(1, 0))
+    summary = summarize(events, STREAMS, pods=PODS, facts=MARKED_ONCE)
+    checks = {c.name: c.passed for c in judge(SCENARIOS["long-streams"], summary, gateway=True)}
+    assert checks["no stream cut"] is True
+    assert checks["every stream the sidecars cut was continued"] is False
+    continued = [*events, ev(12.0, Kind.CONTINUED)]
+    summary = summarize(continued, STREAMS, pods=PODS, facts=MARKED_ONCE)
+    assert all(c.passed for c in judge(SCENARIOS["long-streams"], summary, gateway=True))
+
+
+def test_the_gateways_continuations_go_on_the_timeline() -> None:
+    note = gateway_note({"event": "gateway.continued", "cause": "reset", "tokens_sent": 12})
+    assert note is not None
+    assert note.kind is Kind.CONTINUED
+    assert "12 tokens" in note.text
+    assert gateway_note({"event": "gateway.cut", "reason": "limit"}) is None
 
 
 def test_pdb_blocks_passes_only_when_the_refusals_are_retried_given_up_and_the_pods_reclaimed() -> None:

@@ -1,0 +1,1 @@
+"""``spotdrain gateway``: an OpenAI-compatible streaming proxy that continues a broken stream on another replica."""

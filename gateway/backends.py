@@ -1,0 +1,142 @@
+"""The backends: which are ready, how many streams each holds, and the health checker that keeps that true."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import aiohttp
+import structlog
+
+from gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger()
+
+# A backend that failed this way is taken out of rotation until its health check passes again; a 5xx, an error
+# event or an abort says the request failed, not that the backend is gone, and so does a reset: behind one URL (a
+# Service) another pod may answer the continuation, and a backend that is really gone refuses the next connection.
+GONE_CAUSES = frozenset({"unavailable", "timeout"})
+
+
+@dataclass
+class Backend:
+    url: str
+    ready_url: str  # its 200 puts the backend in rotation
+    ready: bool = True
+    open_streams: int = 0
+    picked: int = 0  # when it was last picked, to spread ties
+
+
+class Mover:
+    """One stream's hold on its backend's response, so the gateway can move the stream before the node goes."""
+
+    def __init__(self) -> None:
+        self.moved = False
+        self._response: aiohttp.ClientResponse | None = None
+
+    def attach(self, response: aiohttp.ClientResponse | None) -> None:
+        self._response = response
+
+    def move(self) -> None:
+        """End the backend's answer now; the stream continues elsewhere with cause ``proactive``."""
+        if not self.moved:
+            self.moved = True
+            if self._response is not None:
+                self._response.close()
+
+
+class Pool:
+    def __init__(self, urls: Sequence[str], metrics: GatewayMetrics, *, ready_urls: Sequence[str] = ()) -> None:
+        ready_urls = ready_urls or [f"{url}/health" for url in urls]
+        self.backends = [Backend(url, ready) for url, ready in zip(urls, ready_urls, strict=True)]
+        self.metrics = metrics
+        self.holding: dict[str, set[Mover]] = {}  # backend URL -> the streams it is relaying
+        self.leaving: dict[str, datetime] = {}  # backend URL -> its node's termination time
+        self._picks = itertools.count(1)
+        self._publish()
+
+    def pick(self, *, avoid: Collection[str] = ()) -> Backend | None:
+        """The ready backend with the fewest open streams, preferring those not in ``avoid``; None if none is ready.
+
+        A backend in ``avoid`` (it already failed this request) is still chosen when it is the only ready one: a
+        dropped connection does not always mean the backend is gone.
+        """
+        ready = [b for b in self.backends if b.ready and b.url not in self.leaving]
+        fresh = [b for b in ready if b.url not in avoid] or ready
+        if not fresh:
+            return None
+        chosen = min(fresh, key=lambda b: (b.open_streams, b.picked))
+        chosen.picked = next(self._picks)
+        return chosen
+
+    def follow(self, urls: Sequence[str]) -> None:
+        """Backends are now ``urls`` (a Service's ready endpoints); those kept keep their state and open streams."""
+        known = {b.url: b for b in self.backends}
+        if list(known) == list(urls):
+            return
+        self.backends = [known.get(url) or Backend(url, f"{url}/health") for url in urls]
+        log.info("backends.changed", backends=list(urls))
+        self._publish()
+
+    @contextmanager
+    def hold(self, backend: Backend, mover: Mover) -> Iterator[None]:
+        """While a stream relays from ``backend``: it can be moved off it."""
+        self.holding.setdefault(backend.url, set()).add(mover)
+        try:
+            yield
+        finally:
+            self.holding[backend.url].discard(mover)
+
+    def due(self, now: datetime, *, margin_s: float) -> list[tuple[str, Mover]]:
+        """Streams on backends whose node goes within ``margin_s``: to be moved now."""
+        soon = now + timedelta(seconds=margin_s)
+        return [
+            (url, mover)
+            for url, at in self.leaving.items()
+            if at <= soon
+            for mover in self.holding.get(url, ())
+            if not mover.moved
+        ]
+
+    def failed(self, backend: Backend, cause: str) -> None:
+        self.metrics.backend_errors.labels(kind=cause).inc()
+        if cause in GONE_CAUSES and backend.ready:
+            backend.ready = False
+            log.warning("backend.unready", backend=backend.url, cause=cause)
+            self._publish()
+
+    def set_ready(self, backend: Backend, ready: bool) -> None:
+        if backend.ready != ready:
+            backend.ready = ready
+            log.info("backend.ready" if ready else "backend.unready", backend=backend.url, cause="health")
+            self._publish()
+
+    def any_ready(self) -> bool:
+        return any(b.ready for b in self.backends)
+
+    def _publish(self) -> None:
+        self.metrics.backends_ready.set(sum(b.ready for b in self.backends))
+
+
+async def health_checker(session: aiohttp.ClientSession, pool: Pool, *, interval_s: float, timeout_s: float) -> None:
+    """Asks every backend's ready URL each interval; a 200 makes it ready, anything else not. Runs until cancelled.
+
+    The engine's ``/health`` stays 200 while its pod drains; a sidecar's ``/ready`` turns 503 at the drain's start,
+    which is why ``--ready-url`` exists: a draining pod then gets no new request, as a Service would do.
+    """
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def check(backend: Backend) -> None:
+        try:
+            async with session.get(backend.ready_url, timeout=timeout) as response:
+                pool.set_ready(backend, response.status == 200)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            pool.set_ready(backend, False)
+
+    while True:
+        await asyncio.gather(*(check(b) for b in pool.backends))
+        await asyncio.sleep(interval_s)

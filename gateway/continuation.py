@@ -1,0 +1,136 @@
+"""When a broken stream may continue elsewhere, and the request that continues it: pure functions of data.
+
+The continuation re-issues the request with what the client already has as part of the prompt, the way NVIDIA
+Dynamo's frontend migrates a request (prompt + generated tokens, ``max_tokens`` reduced):
+
+- completions: ``prompt`` = the original prompt + the text so far, or prompt token ids + generated token ids where
+  the backend returned them (vLLM's ``return_token_ids``);
+- chat: the messages + one final assistant message holding the text so far, with ``continue_final_message: true``
+  and ``add_generation_prompt: false`` (vLLM renders it with Hugging Face's ``continue_final_message``: the last
+  message stays open, so generation carries on inside it).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from gateway.splice import Splicer
+
+# Constrained decoding keeps a grammar state a fresh request would not have: continuing it could break the format.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+REASONS = (
+    "multiple_choices",
+    "guided",
+    "tool_call",
+    "reasoning",
+    "too_long",
+    "unsupported_prompt",
+    "limit",
+    "no_backend",
+)
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def refusal_at_start(body: dict[str, Any], *, chat: bool) -> str | None:
+    """Why this request can never be continued, whatever happens to its stream (None: it can be)."""
+    if _count(body.get("n", 1)) > 1 or _count(body.get("best_of", 1)) > 1 or body.get("use_beam_search"):
+        return "multiple_choices"
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return "multiple_choices" if len(prompt) > 1 else None
+    if not chat and body.get("echo"):  # the first chunk's text holds the prompt too: the text so far is not known
+        return "unsupported_prompt"
+    if any(body.get(name) is not None for name in GUIDED_FIELDS):
+        return "guided"
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") in ("json_schema", "json_object"):
+        return "guided"
+    return None
+
+
+def refusal(body: dict[str, Any], splicer: Splicer, *, chat: bool, max_tokens: int) -> str | None:
+    """Why this stream, as far as it got, cannot continue on another backend (None: it can)."""
+    if (reason := refusal_at_start(body, chat=chat)) is not None:
+        return reason
+    if splicer.multiple_choices:
+        return "multiple_choices"
+    if splicer.tool_call:
+        return "tool_call"
+    if splicer.reasoning:  # the engine split the text into reasoning and content: the raw text is not known
+        return "reasoning"
+    if splicer.tokens > max_tokens:
+        return "too_long"
+    if not chat and _prompt_ids(body, splicer) is None and not isinstance(_single_prompt(body), str):
+        return "unsupported_prompt"
+    return None
+
+
+def remaining_tokens(body: dict[str, Any], splicer: Splicer, *, chat: bool) -> int | None:
+    """Tokens the continuation may still generate; None when the request set no bound."""
+    limit = body.get("max_completion_tokens") if chat else None
+    limit = body.get("max_tokens") if limit is None else limit
+    if limit is None and not chat:
+        limit = 16  # vLLM's default for completions (vllm/entrypoints/openai/completion/protocol.py)
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    return limit - splicer.tokens
+
+
+def _single_prompt(body: dict[str, Any]) -> Any:
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        return prompt[0]  # a batch of one
+    return prompt
+
+
+def _prompt_ids(body: dict[str, Any], splicer: Splicer) -> list[int] | None:
+    """Prompt + generated token ids, when both are known as ids."""
+    if splicer.token_ids is None:
+        return None
+    prompt = _single_prompt(body)
+    if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
+        return [*prompt, *splicer.token_ids]
+    if splicer.prompt_token_ids is not None:
+        return [*splicer.prompt_token_ids, *splicer.token_ids]
+    return None
+
+
+def continuation(body: dict[str, Any], splicer: Splicer, *, chat: bool) -> dict[str, Any]:
+    """The request that continues ``body`` after what the client already received."""
+    follow = copy.deepcopy(body)
+    left = remaining_tokens(body, splicer, chat=chat)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in follow and left is not None:
+            follow[name] = left
+    if not chat and "max_tokens" not in follow and left is not None:
+        follow["max_tokens"] = left
+    if isinstance(follow.get("min_tokens"), int):
+        follow["min_tokens"] = max(0, follow["min_tokens"] - splicer.tokens)
+    follow.pop("echo", None)  # the client already has the echo
+    if chat:
+        follow["messages"] = _messages(body, splicer.text_so_far)
+        follow["continue_final_message"] = True
+        follow["add_generation_prompt"] = False
+    else:
+        ids = _prompt_ids(body, splicer)
+        follow["prompt"] = ids if ids is not None else _single_prompt(body) + splicer.text_so_far
+    return follow
+
+
+def _messages(body: dict[str, Any], text: str) -> list[Any]:
+    messages = copy.deepcopy(list(body.get("messages") or []))
+    last = messages[-1] if messages else None
+    continuing = bool(body.get("continue_final_message")) and isinstance(last, dict) and last.get("role") == "assistant"
+    if not continuing:
+        return [*messages, {"role": "assistant", "content": text}]
+    assert isinstance(last, dict)
+    content = last.get("content")
+    if isinstance(content, list):
+        last["content"] = [*content, {"type": "text", "text": text}]
+    else:
+        last["content"] = (content or "") + text
+    return messages

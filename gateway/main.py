@@ -1,0 +1,100 @@
+"""``spotdrain gateway``: build the pieces, serve the API and /metrics, check backends, until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+import structlog
+
+from gateway.backends import Pool, health_checker
+from gateway.endpoints import endpoint_follower, migrator
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import api_app
+from gateway.settings import GatewaySettings, from_arguments
+from gateway.streaming import Gateway
+from spotdrain.kube_rest import InCluster
+from spotdrain.metrics import CollectorRegistry
+from spotdrain.probes import probe_app, serve
+from spotdrain.settings import log_effective
+from spotdrain.tasks import Role, Supervisor, on_signals
+
+log = structlog.get_logger()
+
+
+async def api_server(gateway: Gateway, *, after: asyncio.Event, ready_flag: asyncio.Event | None) -> None:
+    """Serves the OpenAI API once /metrics listens (so a ready gateway is always observable); until cancelled."""
+    await after.wait()
+    settings = gateway.settings
+    await serve(api_app(gateway), host=settings.host, port=settings.port, ready_flag=ready_flag, name="api")
+
+
+async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = None) -> int:
+    """Run the gateway until SIGTERM or SIGINT; returns the exit code."""
+    log_effective("gateway", settings)
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics.create(registry)
+    pool = Pool(settings.backends, metrics, ready_urls=settings.ready_urls)
+    stop = asyncio.Event()
+    on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+    # No connection limit: every open stream holds one backend connection for as long as it runs.
+    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        gateway = Gateway(settings=settings, pool=pool, session=session, metrics=metrics)
+
+        async def ready() -> tuple[bool, str]:
+            return pool.any_ready(), f"{sum(b.ready for b in pool.backends)} backends ready"
+
+        metrics_listening = asyncio.Event()
+        roles: list[Role] = [
+            (
+                "metrics_server",
+                serve(
+                    probe_app(registry, ready=ready),
+                    host=settings.host,
+                    port=settings.metrics_port,
+                    ready_flag=metrics_listening,
+                    name="metrics",
+                ),
+            ),
+            ("api_server", api_server(gateway, after=metrics_listening, ready_flag=ready_flag)),
+            (
+                "health_checker",
+                health_checker(
+                    session,
+                    pool,
+                    interval_s=settings.timeouts.health_interval_s,
+                    timeout_s=settings.timeouts.connect_s,
+                ),
+            ),
+        ]
+        if settings.service is not None:
+            roles.append(("endpoint_follower", _follower(session, pool, settings)))
+            interval = settings.timeouts.health_interval_s
+            roles.append(("migrator", migrator(pool, margin_s=settings.migration.margin_s, interval_s=interval)))
+        ok = await Supervisor(stop).run(roles)
+    log.info("gateway.stopped")
+    return 0 if ok else 1
+
+
+def _follower(session: aiohttp.ClientSession, pool: Pool, settings: GatewaySettings) -> Coroutine[Any, Any, None]:
+    service = settings.service
+    assert service is not None
+    return endpoint_follower(
+        session,
+        InCluster.from_environment(service.serviceaccount_dir),
+        pool,
+        namespace=service.namespace,
+        service=service.name,
+        port=service.port,
+        interval_s=settings.timeouts.health_interval_s,
+        timeout_s=settings.timeouts.connect_s,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(run(from_arguments(args)))

@@ -1,0 +1,225 @@
+"""The I/O of one backend answer: send the request, relay the events through the splicer, say how it ended.
+
+Every await is bounded: connecting by ``connect_s``, each read from the backend and each write to the client by
+``read_s`` (a hung backend and a client that stopped reading look the same from here: silence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.backends import Backend, Mover
+from gateway.settings import TimeoutSettings
+from gateway.splice import Broken, End, Splicer
+from gateway.sse import EventTooLarge, SseParser
+
+# RFC 9110 section 7.6.1 connection-specific fields, plus what the proxy sets itself (length, encoding, host).
+_NOT_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "accept-encoding",
+        "content-encoding",
+        "date",
+        "server",
+    }
+)
+
+
+def forwarded(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """Headers to pass on (Authorization included): all but the connection-specific ones."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED)
+
+
+# asyncio's default high-water mark for a transport's write buffer; aiohttp awaits a drain only above it.
+_UNBLOCKED_BYTES = 64 * 1024
+
+
+class ClientGone(Exception):
+    """The client closed its connection or stopped reading: nothing more can reach it."""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The backend refused the request before streaming (a 4xx): the client gets that answer as it is."""
+
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+class ClientStream:
+    """The response to the client: headers go out with the first backend that streams; writes are bounded."""
+
+    def __init__(self, request: web.Request, *, write_timeout_s: float, on_gap: Callable[[float], None]) -> None:
+        self.request = request
+        self.write_timeout_s = write_timeout_s
+        self.on_gap = on_gap  # seconds between the last chunk before a break and the first after it
+        self.response: web.StreamResponse | None = None
+        self.last_write = time.monotonic()
+        self.gap_from: float | None = None  # set at a break, until the continuation's first chunk
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def start(self, headers: Mapping[str, str]) -> None:
+        if self.response is None:
+            response = web.StreamResponse(status=200, headers=forwarded(headers))
+            await self._bounded(response.prepare(self.request))
+            self.response = response
+
+    async def write(self, data: bytes, *, content: bool = True) -> None:
+        assert self.response is not None
+        transport = self.request.transport
+        if transport is not None and transport.get_write_buffer_size() + len(data) < _UNBLOCKED_BYTES:
+            try:  # below the transport's high-water mark the write cannot wait: no timer needed
+                await self.response.write(data)
+            except ConnectionError as error:
+                raise ClientGone(str(error)) from None
+        else:
+            await self._bounded(self.response.write(data))
+        if content:
+            now = time.monotonic()
+            if self.gap_from is not None:
+                self.on_gap(now - self.gap_from)
+                self.gap_from = None
+            self.last_write = now
+
+    def broke(self) -> None:
+        if self.gap_from is None:
+            self.gap_from = self.last_write
+
+    async def _bounded(self, call: Awaitable[object]) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await call
+        except (ConnectionError, TimeoutError) as error:
+            raise ClientGone(str(error)) from None
+
+
+async def relay(
+    session: aiohttp.ClientSession,
+    backend: Backend,
+    *,
+    path: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    splicer: Splicer,
+    client: ClientStream,
+    timeouts: TimeoutSettings,
+    mover: Mover,
+    comment: bytes = b"",
+) -> End | Rejected:
+    """One backend's answer, relayed to ``client`` until it ends; raises ClientGone when the client does.
+
+    ``mover`` may end the answer early (the backend's node is about to go): that ends as Broken("proactive").
+    """
+    end = await _answer(
+        session,
+        backend,
+        path=path,
+        body=body,
+        headers=headers,
+        splicer=splicer,
+        client=client,
+        timeouts=timeouts,
+        mover=mover,
+        comment=comment,
+    )
+    if mover.moved and isinstance(end, Broken):
+        return Broken("proactive", "its node's termination time is near")
+    return end
+
+
+async def _answer(
+    session: aiohttp.ClientSession,
+    backend: Backend,
+    *,
+    path: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    splicer: Splicer,
+    client: ClientStream,
+    timeouts: TimeoutSettings,
+    mover: Mover,
+    comment: bytes,
+) -> End | Rejected:
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
+    )
+    backend.open_streams += 1
+    try:
+        async with session.post(backend.url + path, data=body, headers=headers, timeout=timeout) as response:
+            mover.attach(response)
+            if response.status >= 500:
+                return Broken("server_error", f"HTTP {response.status}")
+            if response.status != 200:
+                if client.started:
+                    return Broken("server_error", f"HTTP {response.status} for a continuation")
+                return Rejected(response.status, forwarded(response.headers), await response.read())
+            if not response.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return Broken("garbage", f"Content-Type {response.headers.get('Content-Type')!r}")
+            await client.start(response.headers)
+            if comment:
+                await client.write(comment, content=False)
+            return await _events(response, splicer, client)
+    except (ClientGone, asyncio.CancelledError):
+        raise
+    except TimeoutError:
+        return Broken("timeout", f"no byte for {timeouts.read_s} s")
+    except aiohttp.ClientConnectorError as error:
+        return Broken("unavailable", str(error))
+    except (aiohttp.ClientError, OSError) as error:
+        return Broken("reset", str(error) or type(error).__name__)
+    finally:
+        mover.attach(None)
+        backend.open_streams -= 1
+
+
+async def _events(response: aiohttp.ClientResponse, splicer: Splicer, client: ClientStream) -> End:
+    parser = SseParser()
+    async for block in response.content.iter_any():
+        try:
+            events = parser.feed(block)
+        except EventTooLarge as error:
+            return Broken("garbage", str(error))
+        if (end := await _relay_events(events, splicer, client)) is not None:
+            return end
+    if (end := await _relay_events(parser.close(), splicer, client)) is not None:
+        return end
+    if parser.junk:
+        return Broken("garbage", f"{parser.junk} lines that are not server-sent events")
+    return Broken("reset", "the stream closed before its end")
+
+
+async def _relay_events(events: list[bytes], splicer: Splicer, client: ClientStream) -> End | None:
+    """Relay what one block of the backend's bytes completed, in one write; how the stream ended, if it did."""
+    out = []
+    end = None
+    for data in events:
+        step = splicer.accept(data)
+        if step.out:
+            out.append(step.out)
+        if step.end is not None:
+            end = step.end
+            break
+    if out:
+        await client.write(b"".join(out))
+    return end

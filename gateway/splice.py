@@ -1,0 +1,232 @@
+"""One client stream out of the streams of one or more backends: pure bookkeeping, no I/O.
+
+The splicer reads each backend event once and decides what the client gets: the first backend's chunks as they
+came (bytes untouched), a continuation's chunks rewritten to the first backend's ``id``, ``created`` and ``model``,
+one chat role delta, exactly one ``finish_reason``, and, at the end, one usage chunk and one ``data: [DONE]`` that
+the gateway writes itself. It also keeps what a continuation needs: the text so far, the token count, the token ids
+where the backend returned them (vLLM's ``return_token_ids``) and whether a tool call has started.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+DONE = b"data: [DONE]\n\n"
+# Why a backend stream ended abnormally; each is a reason to continue elsewhere and a metric label.
+# "proactive": the gateway itself moved the stream off a backend whose node is about to be reclaimed.
+CAUSES = ("reset", "timeout", "server_error", "error_event", "abort", "garbage", "unavailable", "proactive")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The backend sent a ``finish_reason`` and then ``[DONE]``: the stream is whole."""
+
+
+@dataclass(frozen=True)
+class Broken:
+    cause: str
+    detail: str = ""
+
+
+End = Finished | Broken
+
+
+@dataclass
+class Step:
+    out: bytes = b""  # for the client, possibly nothing
+    end: End | None = None
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_event(message: str, *, code: int = 503, kind: str = "ServiceUnavailableError") -> bytes:
+    """An OpenAI-style error event, in the shape vLLM streams its own errors."""
+    return sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+@dataclass
+class Splicer:
+    chat: bool
+    include_usage: bool
+    identity: dict[str, Any] | None = None  # id, created, model of the first chunk ever
+    segment: int = 0  # 0 for the first backend, then one per continuation
+    # Compact on purpose: a long stream holds its whole text and ids (UTF-8 bytes, 8-byte ids), not an object each.
+    text: bytearray = field(default_factory=bytearray)
+    tokens: int = 0
+    token_ids: array[int] | None = field(default_factory=lambda: array("q"))  # None once a token came without its id
+    prompt_token_ids: list[int] | None = None
+    role_sent: bool = False
+    finish_reason: str | None = None
+    tool_call: bool = False
+    reasoning: bool = False
+    multiple_choices: bool = False
+    tokens_before_segment: int = 0
+    backend_usage: dict[str, Any] | None = None
+    raw_usage: bytes | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text_so_far(self) -> str:
+        return self.text.decode(errors="surrogatepass")
+
+    def next_segment(self) -> None:
+        """A continuation starts: what it reports about usage is relative to the tokens sent before it."""
+        self.segment += 1
+        self.tokens_before_segment = self.tokens
+        self.backend_usage = self.raw_usage = None
+
+    def accept(self, data: bytes) -> Step:
+        """One backend event (the bytes after ``data:``): what to relay and whether this backend's stream ended."""
+        if data == b"[DONE]":
+            if self.finished or self.multiple_choices:
+                return Step(end=Finished())
+            return Step(end=Broken("reset", "[DONE] before a finish_reason"))
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return Step(end=Broken("garbage", data[:80].decode(errors="replace")))
+        if not isinstance(chunk, dict):
+            return Step(end=Broken("garbage", "an event that is not a JSON object"))
+        if "error" in chunk or chunk.get("object") == "error":
+            error = chunk.get("error", chunk)
+            message = error.get("message", "") if isinstance(error, dict) else str(error)
+            return Step(end=Broken("error_event", str(message)[:200]))
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return Step(end=Broken("garbage", "a chunk without choices"))
+        if self.identity is None:
+            self.identity = {key: chunk.get(key) for key in ("id", "created", "model")}
+        if not choices:
+            return self._usage(chunk, data)
+        if len(choices) != 1 or not isinstance(choices[0], dict) or choices[0].get("index", 0) != 0:
+            self.multiple_choices = True  # n > 1: relayed as it comes, never continued
+            return Step(out=self._relay(chunk, data))
+        return self._choice(chunk, choices[0], data)
+
+    def _usage(self, chunk: dict[str, Any], data: bytes) -> Step:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.backend_usage, self.raw_usage = usage, data
+        return Step()
+
+    def _choice(self, chunk: dict[str, Any], choice: dict[str, Any], data: bytes) -> Step:
+        piece, dropped = self._piece(chunk, choice)
+        if piece is None:
+            return Step(end=Broken("garbage", "a choice without text"))
+        finish = choice.get("finish_reason")
+        ids = choice.get("token_ids")
+        self._note_prompt_ids(chunk, choice)
+        if isinstance(ids, list):
+            count = len(ids)
+            if self.token_ids is not None:
+                self.token_ids.extend(i for i in ids if isinstance(i, int) and -(2**63) <= i < 2**63)
+        else:
+            count = 1 if piece else 0
+            if piece:
+                self.token_ids = None
+        self.text += piece.encode(errors="surrogatepass")  # JSON may carry lone surrogates
+        self.tokens += count
+        if finish in ("abort", "error"):  # vLLM aborted the request (shutdown) or failed it: continue elsewhere
+            choice["finish_reason"] = None
+            out = self._relay(chunk, b"") if piece else b""
+            return Step(out=out, end=Broken("abort" if finish == "abort" else "error_event", f"finish_reason {finish}"))
+        if finish is not None:
+            self.finish_reason = str(finish)
+        if dropped:
+            return Step()
+        return Step(out=self._relay(chunk, data))
+
+    def _piece(self, chunk: dict[str, Any], choice: dict[str, Any]) -> tuple[str | None, bool]:
+        """The choice's new text, and whether the chunk is a repeated role delta the client must not see."""
+        if not self.chat:
+            text = choice.get("text")
+            return (text if isinstance(text, str) else None), False
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return None, False
+        if delta.get("tool_calls"):
+            self.tool_call = True
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            self.reasoning = True
+        content = delta.get("content") or ""
+        if not isinstance(content, str):
+            return None, False
+        if "role" in delta:
+            if not self.role_sent:
+                self.role_sent = True
+            elif content or delta.get("tool_calls") or choice.get("finish_reason"):
+                del delta["role"]
+                chunk.pop("prompt_token_ids", None)
+            else:
+                return content, True
+        return content, False
+
+    def _note_prompt_ids(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
+        if self.segment == 0 and self.prompt_token_ids is None:
+            ids = choice.get("prompt_token_ids", chunk.get("prompt_token_ids"))
+            if isinstance(ids, list):
+                self.prompt_token_ids = [i for i in ids if isinstance(i, int)]
+
+    def _relay(self, chunk: dict[str, Any], data: bytes) -> bytes:
+        if self.segment == 0 and data:
+            return b"data: " + data + b"\n\n"
+        assert self.identity is not None
+        chunk.update(self.identity)
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and self.tokens_before_segment:  # continuous_usage_stats, relative to this backend
+            chunk["usage"] = self._whole_usage(usage)
+        if "prompt_token_ids" in chunk:
+            chunk["prompt_token_ids"] = None  # a continuation's prompt is not the client's
+        for choice in chunk.get("choices", ()):
+            if isinstance(choice, dict) and choice.get("prompt_token_ids") is not None:
+                choice["prompt_token_ids"] = None
+        return sse(chunk)
+
+    def finish_chunk(self, reason: str) -> bytes:
+        """A last chunk the gateway writes itself, when every token was sent but the finish never came."""
+        assert self.identity is not None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice.update(text="", stop_reason=None)
+        self.finish_reason = reason
+        return sse({**self.identity, "object": self._object, "choices": [choice]})
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def tail(self) -> bytes:
+        """What ends the client's stream: the usage chunk (when asked for) and ``[DONE]``."""
+        if not self.include_usage or self.identity is None:
+            return DONE
+        if self.segment == 0 and self.raw_usage is not None:
+            return b"data: " + self.raw_usage + b"\n\n" + DONE
+        return sse({**self.identity, "object": self._object, "choices": [], "usage": self.usage()}) + DONE
+
+    def usage(self) -> dict[str, int]:
+        """``prompt_tokens`` of the original request; ``completion_tokens`` for every token the client received."""
+        return self._whole_usage(self.backend_usage or {})
+
+    def _whole_usage(self, reported: dict[str, Any]) -> dict[str, int]:
+        """A continuation's usage as the client's whole stream: its prompt held the original prompt plus the tokens
+        sent before it, so the original's prompt size is the continuation's less those (exact where the backend
+        returned prompt token ids)."""
+        final_completion = reported.get("completion_tokens")
+        completion = self.tokens
+        if isinstance(final_completion, int):
+            completion = self.tokens_before_segment + final_completion
+        prompt = len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+        if prompt is None and isinstance(reported.get("prompt_tokens"), int):
+            prompt = max(0, int(reported["prompt_tokens"]) - self.tokens_before_segment)
+        prompt = prompt or 0
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}

@@ -1,0 +1,192 @@
+"""One client stream from start to end: backends in turn, continuations between them, one outcome counted.
+
+The loop ends when the splicer says the stream is whole, when the client leaves, or when a broken stream cannot
+continue (a rule in ``continuation.refusal``, the migration limit, no ready backend): then the client gets an
+OpenAI-style error event and ``[DONE]`` at once. Each turn is bounded by the relay's timeouts, and there are at most
+``limit + 1`` turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.backends import Mover, Pool
+from gateway.continuation import continuation, refusal, remaining_tokens
+from gateway.metrics import GatewayMetrics
+from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
+from gateway.settings import GatewaySettings
+from gateway.splice import Broken, Finished, Splicer, error_event
+
+log = structlog.get_logger()
+
+# Before re-sending to a backend that already failed the request (the only one ready, e.g. one Service URL whose
+# endpoints still hold a dead pod for a moment), by continuation; the last pause repeats.
+RETRY_PAUSES_S = (0.1, 0.3, 0.6, 1.0)
+
+
+@dataclass(frozen=True)
+class Gateway:
+    """What every handler shares."""
+
+    settings: GatewaySettings
+    pool: Pool
+    session: aiohttp.ClientSession
+    metrics: GatewayMetrics
+
+
+def no_backend_answer(message: str, *, status: int = 503) -> web.Response:
+    kind = "ServiceUnavailableError" if status == 503 else "GatewayTimeoutError"
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )
+
+
+async def stream(
+    gateway: Gateway, request: web.Request, *, path: str, body: dict[str, Any], raw: bytes, chat: bool
+) -> web.StreamResponse:
+    """Serve one streamed request; the outcome is counted once, whatever ends it."""
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    run = _Run(
+        gateway, request, path=path, body=body, chat=chat, splicer=Splicer(chat=chat, include_usage=include_usage)
+    )
+    gateway.metrics.open_streams.inc()
+    try:
+        response, outcome = await run.serve(raw)
+    except ClientGone:
+        response, outcome = run.client.response or web.Response(status=499), "abandoned"
+    finally:
+        gateway.metrics.open_streams.dec()
+    gateway.metrics.requests.labels(outcome=outcome).inc()
+    return response
+
+
+class _Run:
+    def __init__(
+        self, gateway: Gateway, request: web.Request, *, path: str, body: dict[str, Any], chat: bool, splicer: Splicer
+    ) -> None:
+        self.gateway = gateway
+        self.path = path
+        self.body = body
+        self.chat = chat
+        self.splicer = splicer
+        self.headers: CIMultiDict[str] = CIMultiDict(request.headers)
+        self.client = ClientStream(
+            request, write_timeout_s=gateway.settings.timeouts.read_s, on_gap=gateway.metrics.splice_gap.observe
+        )
+        self.continuations = 0
+
+    async def serve(self, original: bytes) -> tuple[web.StreamResponse, str]:
+        raw = original
+        headers = forwarded(self.headers)
+        avoid: set[str] = set()
+        broken: tuple[str, Broken] | None = None  # the backend that failed last, and how
+        comment = b""
+        while True:
+            backend = self.gateway.pool.pick(avoid=avoid)
+            if backend is None:
+                return await self._cut("no_backend", broken)
+            if broken is not None:
+                self._continued(*broken, to=backend.url)
+            if backend.url in avoid:  # the only one left already failed this request: give it time to recover
+                await asyncio.sleep(RETRY_PAUSES_S[min(self.continuations, len(RETRY_PAUSES_S)) - 1])
+            mover = Mover()
+            with self.gateway.pool.hold(backend, mover):
+                end = await relay(
+                    self.gateway.session,
+                    backend,
+                    path=self.path,
+                    body=raw,
+                    headers=headers,
+                    splicer=self.splicer,
+                    client=self.client,
+                    timeouts=self.gateway.settings.timeouts,
+                    mover=mover,
+                    comment=comment,
+                )
+            if isinstance(end, Rejected):
+                return web.Response(status=end.status, body=end.body, headers=end.headers), "rejected"
+            if isinstance(end, Finished) or self.splicer.finished:
+                return await self._finish()
+            self.gateway.pool.failed(backend, end.cause)
+            avoid.add(backend.url)
+            broken = (backend.url, end)
+            if (ended := await self._end_after_break(broken)) is not None:
+                return ended
+            self.splicer.next_segment()
+            if self.splicer.tokens == 0:
+                # Nothing generated reached the client: the request itself starts over. (A continuation would ask
+                # to continue an empty assistant message, which a chat template renders as a closed turn.)
+                raw, headers = original, forwarded(self.headers)
+            else:
+                raw = json.dumps(continuation(self.body, self.splicer, chat=self.chat)).encode()
+                headers["Content-Type"] = "application/json"
+            comment = b""
+            if self.gateway.settings.migration.mark_splices and self.client.started:
+                comment = b": spotdrain: continued after " + end.cause.encode() + b"\n\n"
+
+    async def _end_after_break(self, broken: tuple[str, Broken]) -> tuple[web.StreamResponse, str] | None:
+        """How the stream ends now that its backend broke, or None when it may continue."""
+        self.client.broke()
+        left = remaining_tokens(self.body, self.splicer, chat=self.chat)
+        if left is not None and left <= 0 and self.client.started:
+            await self.client.write(self.splicer.finish_chunk("length"))  # every token was sent already
+            return await self._finish()
+        reason = self._refusal()
+        return None if reason is None else await self._cut(reason, broken)
+
+    def _refusal(self) -> str | None:
+        if self.continuations >= self.gateway.settings.migration.limit:
+            return "limit"
+        if self.splicer.tokens == 0 and not self.splicer.multiple_choices:
+            return None  # nothing generated reached the client: any request may start over
+        max_tokens = self.gateway.settings.migration.max_tokens
+        return refusal(self.body, self.splicer, chat=self.chat, max_tokens=max_tokens)
+
+    def _continued(self, backend: str, end: Broken, *, to: str) -> None:
+        """Count and log one continuation: one line each, with where the stream was and where it goes."""
+        self.continuations += 1
+        self.gateway.metrics.continuations.labels(cause=end.cause).inc()
+        log.info(
+            "gateway.continued",
+            request=(self.splicer.identity or {}).get("id"),
+            backend=backend,
+            to=to,
+            cause=end.cause,
+            detail=end.detail,
+            tokens_sent=self.splicer.tokens,
+            continuation=self.continuations,
+        )
+
+    async def _finish(self) -> tuple[web.StreamResponse, str]:
+        await self.client.write(self.splicer.tail(), content=False)
+        assert self.client.response is not None
+        await self.client.response.write_eof()
+        return self.client.response, "continued" if self.continuations else "completed"
+
+    async def _cut(self, reason: str, broken: tuple[str, Broken] | None) -> tuple[web.StreamResponse, str]:
+        self.gateway.metrics.cuts.labels(reason=reason).inc()
+        backend, end = broken if broken is not None else (None, None)
+        log.warning(
+            "gateway.cut",
+            request=(self.splicer.identity or {}).get("id"),
+            backend=backend,
+            cause=end.cause if end else None,
+            reason=reason,
+            tokens_sent=self.splicer.tokens,
+        )
+        message = f"the stream's backend failed and it cannot continue elsewhere ({reason})"
+        if not self.client.started:
+            return no_backend_answer(message), "cut"
+        await self.client.write(error_event(message) + b"data: [DONE]\n\n", content=False)
+        assert self.client.response is not None
+        await self.client.response.write_eof()
+        return self.client.response, "cut"
