@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from bench import burst, cache, faults, fleet, gateway, inflight_parse, node, prestop, sidecar, waiting
+from bench import burst, cache, faults, fleet, gateway, inflight_parse, node, prestop, sidecar, waiting, webhook
 from bench.common import Result, report
 
 
@@ -27,6 +27,7 @@ async def run(names: set[str]) -> list[Result]:
         ("waiting", waiting),
         ("faults", faults),
         ("gateway", gateway),
+        ("webhook", webhook),
     )
     for name, module in modules:
         if not names or name in names:

@@ -22,29 +22,16 @@ import yaml
 from inject.pods import (
     ALWAYS_ALLOW,
     POLICY,
-    SIDECAR,
     InjectError,
     Obj,
     Options,
     PodTarget,
-    add_sidecar,
-    command_line,
-    containers_of,
+    inject_pod,
     section,
 )
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet")
 RAY_KINDS = ("RayCluster", "RayService")
-# Substrings of an image or of the start of a command line that tell the engine (Ray's LLM image runs vLLM).
-ENGINE_MARKERS = (
-    ("sglang", "sglang"),
-    ("text-generation-inference", "tgi"),
-    ("text-generation-launcher", "tgi"),
-    ("vllm", "vllm"),
-    ("ray-llm", "vllm"),
-)
-COMMAND_WORDS = 3  # `vllm serve`, `python -m vllm.entrypoints...`, `sh -c "vllm serve ..."`; later words are data
-GPU = "nvidia.com/gpu"
 _MARKER = re.compile(r"---(?:[ \t].*)?\r?\n?")
 _COMMENT = re.compile(r"(?:---[ \t]*(?:#.*)?|[ \t]*(?:#.*)?|%.*)\r?\n?")
 
@@ -106,69 +93,6 @@ def _ray_target(group: Obj, where: str) -> PodTarget:
     template = _mapping(group.get("template"), f"{where}.template")
     params = _mapping(group.get("rayStartParams") or {}, f"{where}.rayStartParams")
     return PodTarget(_mapping(template.get("spec"), f"{where}.template.spec"), f"{where}.template.spec", params)
-
-
-def engine_of(container: Obj) -> str | None:
-    """The engine a container runs, told by its image or command; None if it runs none we know.
-
-    Only the first words of the command line count, URLs aside: a client that calls a vLLM runs no engine.
-    """
-    words = [word for word in command_line(container)[:COMMAND_WORDS] if "://" not in word]
-    text = " ".join([str(container.get("image", "")), *words]).lower()
-    return next((engine for marker, engine in ENGINE_MARKERS if marker in text), None)
-
-
-def has_sidecar(target: PodTarget) -> bool:
-    for key in ("containers", "initContainers"):
-        for container in containers_of(target.spec, key, target.where):
-            if container.get("name") == SIDECAR or command_line(container)[:2] == ["spotdrain", "sidecar"]:
-                return True
-    return False
-
-
-def _gpus(container: Obj, ray_params: Obj, where: str) -> float:
-    resources = section(container, "resources", where)
-    counts = [section(resources, part, where).get(GPU, 0) for part in ("limits", "requests")]
-    counts.append(ray_params.get("num-gpus", 0))
-    try:
-        return max(float(count) for count in counts)
-    except (TypeError, ValueError):
-        raise InjectError(f"{where}: a GPU count is not a number") from None
-
-
-def _engine_container(target: PodTarget, options: Options) -> tuple[Obj, str] | None:
-    """The container to put behind the sidecar and its engine; None when the pod runs no engine."""
-    containers = containers_of(target.spec, "containers", target.where)
-    if options.container is not None:
-        named = [c for c in containers if c.get("name") == options.container]
-        if not named:
-            return None
-        engine = options.engine if options.engine != "auto" else engine_of(named[0])
-        if engine is None:
-            raise InjectError(f"cannot tell the engine of container {options.container!r}; name it with --engine")
-        return named[0], engine
-    # A Ray pod's Ray container is its first; it runs an engine only where Ray has GPUs to give it.
-    if target.ray_params is not None:
-        ray_gpus = containers and _gpus(containers[0], target.ray_params, target.where) > 0
-        containers = containers[:1] if ray_gpus else []
-    found = [(c, engine) for c in containers if (engine := engine_of(c)) is not None]
-    if len(found) > 1:
-        names = ", ".join(str(c.get("name")) for c, _ in found)
-        raise InjectError(f"{target.where}: containers {names} all look like engines; choose one with --container")
-    if not found:
-        return None
-    container, engine = found[0]
-    return container, engine if options.engine == "auto" else options.engine
-
-
-def inject_pod(target: PodTarget, options: Options) -> bool:
-    """Give the pod spec the sidecar, in place; False when it runs no engine or has the sidecar already."""
-    if has_sidecar(target):
-        return False
-    picked = _engine_container(target, options)
-    if picked is not None:
-        add_sidecar(target, picked[0], picked[1], options)
-    return picked is not None
 
 
 def inject_into(obj: Obj, options: Options) -> list[str]:

@@ -1,8 +1,10 @@
 """``spotdrain inject``: add the sidecar, the engine's readiness probe through it, the preStop handshake, the shared
 drain volume and a grace period that fits, to every inference workload of a manifest.
 
-What a pod spec gets is decided here, in pure functions of plain dicts. Finding the engines in a manifest, and
-reading and writing its YAML, is ``inject.manifest``; the command line is ``inject.cli``.
+What a pod spec gets is decided here, in pure functions of plain dicts (``inject_pod``): which container runs an
+engine, whether the sidecar is there already, and what is added. It has two front ends: ``spotdrain inject``
+(``inject.manifest`` finds the pod specs in a manifest and reads and writes its YAML; ``inject.cli`` is the command
+line) and ``spotdrain webhook`` (the Pods the API server is asked to create). Nothing here needs a YAML library.
 """
 
 from __future__ import annotations
@@ -31,6 +33,16 @@ ENGINE_PORTS = {"vllm": 8000, "tgi": 80, "sglang": 30000}
 # Ray's metrics agent serves vLLM's gauges renamed (":" becomes "_", "ray_" in front) on each node's export port.
 RAY_METRICS_PORT = 8080
 RAY_VLLM_IN_FLIGHT = "ray_vllm_num_requests_running,ray_vllm_num_requests_waiting"
+# Substrings of an image or of the start of a command line that tell the engine (Ray's LLM image runs vLLM).
+ENGINE_MARKERS = (
+    ("sglang", "sglang"),
+    ("text-generation-inference", "tgi"),
+    ("text-generation-launcher", "tgi"),
+    ("vllm", "vllm"),
+    ("ray-llm", "vllm"),
+)
+COMMAND_WORDS = 3  # `vllm serve`, `python -m vllm.entrypoints...`, `sh -c "vllm serve ..."`; later words are data
+GPU = "nvidia.com/gpu"
 
 Obj = dict[str, Any]
 
@@ -93,7 +105,8 @@ def _engine_port(container: Obj, engine: str) -> int:
         value = line[i + 1] if part == "--port" and i + 1 < len(line) else part.partition("=")[2]
         if (part == "--port" or part.startswith("--port=")) and value.isdigit():
             return int(value)
-    ports = [p.get("containerPort") for p in container.get("ports") or [] if isinstance(p, dict)]
+    where = f"container {container.get('name')!r}"
+    ports = [p.get("containerPort") for p in _list_of(container, "ports", where) if isinstance(p, dict)]
     return int(ports[0]) if ports and isinstance(ports[0], int) else ENGINE_PORTS[engine]
 
 
@@ -204,12 +217,22 @@ def _check_free(spec: Obj, engine: Obj, where: str) -> None:
             isinstance(p, dict) and p.get("containerPort") == SIDECAR_PORT for p in ports
         ):
             raise InjectError(f"{where}: container {container.get('name')!r} uses port {SIDECAR_PORT}, the sidecar's")
-    for volume in spec.get("volumes") or []:
+    for volume in _list_of(spec, "volumes", where):
         if isinstance(volume, dict) and volume.get("name") == SIDECAR and "emptyDir" not in volume:
             raise InjectError(f"{where}: a volume named {SIDECAR!r} exists and is not an emptyDir")
     grace = spec.get("terminationGracePeriodSeconds", 30)
     if not isinstance(grace, int) or isinstance(grace, bool):
         raise InjectError(f"{where}.terminationGracePeriodSeconds is not a whole number of seconds")
+
+
+def _list_of(obj: Obj, key: str, where: str) -> list[Any]:
+    """``obj[key]`` as a list to read, empty when absent or null."""
+    items = obj.get(key)
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise InjectError(f"{where}.{key} is not a list")
+    return items
 
 
 def _list(obj: Obj, key: str, where: str) -> list[Any]:
@@ -239,7 +262,8 @@ def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> 
     """Give one pod spec the sidecar for its ``engine`` container (running ``kind``), in place."""
     spec = target.spec
     _check_free(spec, engine, target.where)
-    theirs = [v for v in spec.get("volumes") or [] if isinstance(v, dict) and v.get("name") == TOKEN_VOLUME]
+    volumes = _list_of(spec, "volumes", target.where)
+    theirs = [v for v in volumes if isinstance(v, dict) and v.get("name") == TOKEN_VOLUME]
     if options.readiness_gate and theirs and theirs[0] != token_volume():
         raise InjectError(f"{target.where}: a volume named {TOKEN_VOLUME!r} exists and is not the account's token")
     sidecar = sidecar_container(_engine_args(engine, kind, target.ray_params), options)
@@ -251,3 +275,66 @@ def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> 
     if options.readiness_gate:
         _add_once(_list(spec, "readinessGates", target.where), {"conditionType": GATE}, key="conditionType")
         _add_once(spec["volumes"], token_volume(), key="name")
+
+
+def engine_of(container: Obj) -> str | None:
+    """The engine a container runs, told by its image or command; None if it runs none we know.
+
+    Only the first words of the command line count, URLs aside: a client that calls a vLLM runs no engine.
+    """
+    words = [word for word in command_line(container)[:COMMAND_WORDS] if "://" not in word]
+    text = " ".join([str(container.get("image", "")), *words]).lower()
+    return next((engine for marker, engine in ENGINE_MARKERS if marker in text), None)
+
+
+def has_sidecar(target: PodTarget) -> bool:
+    for key in ("containers", "initContainers"):
+        for container in containers_of(target.spec, key, target.where):
+            if container.get("name") == SIDECAR or command_line(container)[:2] == ["spotdrain", "sidecar"]:
+                return True
+    return False
+
+
+def _gpus(container: Obj, ray_params: Obj, where: str) -> float:
+    resources = section(container, "resources", where)
+    counts = [section(resources, part, where).get(GPU, 0) for part in ("limits", "requests")]
+    counts.append(ray_params.get("num-gpus", 0))
+    try:
+        return max(float(count) for count in counts)
+    except (TypeError, ValueError):
+        raise InjectError(f"{where}: a GPU count is not a number") from None
+
+
+def _engine_container(target: PodTarget, options: Options) -> tuple[Obj, str] | None:
+    """The container to put behind the sidecar and its engine; None when the pod runs no engine."""
+    containers = containers_of(target.spec, "containers", target.where)
+    if options.container is not None:
+        named = [c for c in containers if c.get("name") == options.container]
+        if not named:
+            return None
+        engine = options.engine if options.engine != "auto" else engine_of(named[0])
+        if engine is None:
+            raise InjectError(f"cannot tell the engine of container {options.container!r}; name it with --engine")
+        return named[0], engine
+    # A Ray pod's Ray container is its first; it runs an engine only where Ray has GPUs to give it.
+    if target.ray_params is not None:
+        ray_gpus = containers and _gpus(containers[0], target.ray_params, target.where) > 0
+        containers = containers[:1] if ray_gpus else []
+    found = [(c, engine) for c in containers if (engine := engine_of(c)) is not None]
+    if len(found) > 1:
+        names = ", ".join(str(c.get("name")) for c, _ in found)
+        raise InjectError(f"{target.where}: containers {names} all look like engines; choose one with --container")
+    if not found:
+        return None
+    container, engine = found[0]
+    return container, engine if options.engine == "auto" else options.engine
+
+
+def inject_pod(target: PodTarget, options: Options) -> bool:
+    """Give the pod spec the sidecar, in place; False when it runs no engine or has the sidecar already."""
+    if has_sidecar(target):
+        return False
+    picked = _engine_container(target, options)
+    if picked is not None:
+        add_sidecar(target, picked[0], picked[1], options)
+    return picked is not None

@@ -36,6 +36,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "inject.cli",
         "inject.cli",
     ),
+    "webhook": (
+        "a mutating admission webhook: give Pods labelled spotdrain.io/inject=true the sidecar at creation",
+        "webhook.settings",
+        "webhook.server",
+    ),
     "simulate": (
         "a whole interruption on embedded fakes, printed as a timeline with a verdict",
         "simulate.cli",

@@ -55,17 +55,33 @@ async def patch(
     session: aiohttp.ClientSession,
     cluster: InCluster,
     path: str,
-    body: Mapping[str, Any],
+    body: Mapping[str, Any] | list[Any],
     *,
     content_type: str = STRATEGIC_MERGE,
     timeout_s: float = 5.0,
 ) -> dict[str, Any]:
     """PATCH ``path``; raises ApiError with the status, the API's message and any Retry-After."""
+    return await call(session, cluster, "PATCH", path, body, content_type=content_type, timeout_s=timeout_s)
+
+
+async def call(
+    session: aiohttp.ClientSession,
+    cluster: InCluster,
+    method: str,
+    path: str,
+    body: Mapping[str, Any] | list[Any] | None = None,
+    *,
+    content_type: str = "application/json",
+    timeout_s: float = 5.0,
+) -> dict[str, Any]:
+    """One API call (GET, POST, PUT, PATCH); the object answered, or ApiError with the status, the API's message
+    and any Retry-After (status 0: no answer)."""
     try:
-        async with session.patch(
+        async with session.request(
+            method,
             cluster.base_url + path,
-            data=json.dumps(body),
-            headers={**cluster.headers(), "Content-Type": content_type},
+            data=None if body is None else json.dumps(body),
+            headers={**cluster.headers(), **({"Content-Type": content_type} if body is not None else {})},
             ssl=cluster.ssl_context(),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as response:
@@ -76,7 +92,12 @@ async def patch(
                     api_message(payload),
                     retry_after_s=retry_after(response.headers.get("Retry-After")),
                 )
-            result: dict[str, Any] = json.loads(payload) if payload else {}
+            try:
+                result = json.loads(payload) if payload else {}
+            except ValueError:
+                result = None
+            if not isinstance(result, dict):
+                raise ApiError(response.status, f"not a JSON object: {payload[:100]!r}", failure="malformed")
             return result
     except (aiohttp.ClientError, TimeoutError, OSError) as error:
         raise ApiError(0, f"{type(error).__name__}: {error}") from error

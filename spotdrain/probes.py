@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -47,12 +48,14 @@ async def serve(
     port: int,
     ready_flag: asyncio.Event | None = None,
     name: str = "probes",
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
-    """Serve ``app`` until cancelled; sets ``ready_flag`` once the socket listens (tests wait on it)."""
+    """Serve ``app`` (over TLS with ``ssl_context``) until cancelled; sets ``ready_flag`` once the socket listens
+    (tests wait on it)."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         log.info("server.listening", server=name, host=host, port=bound)

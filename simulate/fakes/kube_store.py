@@ -106,7 +106,22 @@ ENDPOINT_SLICES = Resource(
     has_status=False,
     fields=_META,
 )
-RESOURCES = {(r.group_version, r.plural): r for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES)}
+SECRETS = Resource(
+    group_version="v1", plural="secrets", kind="Secret", namespaced=True, has_status=False, fields=_META | {"type"}
+)
+# Cluster-scoped, no status (k8s.io/api/admissionregistration/v1): what the self-managed webhook reads and patches.
+MUTATING_WEBHOOKS = Resource(
+    group_version="admissionregistration.k8s.io/v1",
+    plural="mutatingwebhookconfigurations",
+    kind="MutatingWebhookConfiguration",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset({"metadata.name"}),
+)
+RESOURCES = {
+    (r.group_version, r.plural): r
+    for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES, SECRETS, MUTATING_WEBHOOKS)
+}
 SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
 
 

@@ -215,7 +215,7 @@ def _calls() -> list[Invocation]:
 
 def test_every_spotdrain_container_is_found() -> None:
     render("daemonset/base")  # skips without kubectl
-    assert {call.subcommand for call in _calls()} == {"sidecar", "node", "cache", "gateway"}
+    assert {call.subcommand for call in _calls()} == {"sidecar", "node", "cache", "webhook", "gateway"}
 
 
 @pytest.mark.parametrize("call", _calls(), ids=lambda call: call.where)

@@ -25,7 +25,14 @@ from tests.deploy.manifests import (
     selects,
 )
 
-COMPOSED = ("daemonset/imds-mode", "daemonset/karpenter-interruption", "daemonset/queue-mode", "deploy/kuberay")
+COMPOSED = (
+    "daemonset/imds-mode",
+    "daemonset/karpenter-interruption",
+    "daemonset/queue-mode",
+    "deploy/kuberay",
+    "deploy/webhook/self-managed",
+    "deploy/webhook/cert-manager",
+)
 ENGINE_EXIT_MARGIN_S = 10  # the grace period must outlast the drain by at least this much
 MODEL_CACHE = "/mnt/model-cache"
 GPU = "nvidia.com/gpu"

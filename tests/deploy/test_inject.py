@@ -463,6 +463,18 @@ def test_what_injecting_would_break_is_refused(text: str, message: str) -> None:
         _inject(text)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (VLLM + "      volumes: 1\n", r"spec.template.spec.volumes is not a list"),
+        (VLLM.replace("- containerPort: 8000", "- 8000").replace("ports:\n", "ports: 1\n"), "ports is not a list"),
+    ],
+)
+def test_a_list_field_that_is_not_a_list_is_named_in_an_error(text: str, message: str) -> None:
+    with pytest.raises(InjectError, match=message):
+        _inject(text)
+
+
 _KEYS = st.sampled_from(
     [
         "spec", "template", "containers", "initContainers", "name", "image", "command", "args", "ports",

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.manifests import DEPLOY, ROOT, SHIPPED, Obj, kustomizations, named, one, render
+from tests.deploy.manifests import DEPLOY, ROOT, SHIPPED, Obj, kustomization_dirs, kustomizations, named, one, render
 
 OVERLAYS = ("daemonset/imds-mode", "daemonset/karpenter-interruption", "daemonset/queue-mode")
 
@@ -26,8 +26,9 @@ def test_every_directory_with_kubernetes_objects_has_a_kustomization() -> None:
         for path in top.rglob("*.yaml")
         if path.parent.name not in ("aws",)
     }
-    assert yaml_dirs <= set(kustomizations())
+    assert yaml_dirs <= set(kustomization_dirs())
     shipped = {f"deploy/{name}" for name in ("karpenter", "vllm", "keda", "kuberay", "grafana")}
+    shipped |= {"deploy/webhook/self-managed", "deploy/webhook/cert-manager"}
     assert {*shipped, "daemonset/base", "daemonset/queue", *OVERLAYS} <= set(kustomizations())
 
 

@@ -21,6 +21,7 @@ from tests.unit.import_graph import (
 
 SIDECAR = ("spotdrain.cli", "sidecar.settings", "sidecar.main")
 AGENT = ("spotdrain.cli", "agent.node_settings", "agent.main", "agent.cache.settings", "agent.cache.run")
+WEBHOOK = ("spotdrain.cli", "webhook.settings", "webhook.server")
 
 
 @functools.cache
@@ -43,12 +44,23 @@ def test_every_top_level_package_says_what_it_may_import() -> None:
 
 def test_the_graph_sees_every_program_and_its_imports() -> None:
     edges = graph()
-    assert {name.partition(".")[0] for name in edges} >= {"spotdrain", "agent", "sidecar", "inject", "simulate"}
+    assert {name.partition(".")[0] for name in edges} >= {
+        "spotdrain",
+        "agent",
+        "sidecar",
+        "inject",
+        "webhook",
+        "simulate",
+    }
+    assert "webhook.selfmanaged" in edges["webhook.server"]  # imported only in self-managed mode, still an edge
     assert "spotdrain.retry" in edges["agent.drain.handler"]
     assert "inject.manifest" in edges["inject.cli"]  # imported inside main(), still an edge
 
 
-@pytest.mark.parametrize(("dockerfile", "entry"), [("Dockerfile.sidecar", SIDECAR), ("Dockerfile.agent", AGENT)])
+@pytest.mark.parametrize(
+    ("dockerfile", "entry"),
+    [("Dockerfile.sidecar", SIDECAR), ("Dockerfile.agent", AGENT), ("Dockerfile.webhook", WEBHOOK)],
+)
 def test_each_image_copies_exactly_the_folders_its_program_loads(dockerfile: str, entry: tuple[str, ...]) -> None:
     assert {name.partition(".")[0] for name in closure(graph(), entry)} == copied_packages(dockerfile)
 

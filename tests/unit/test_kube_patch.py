@@ -192,7 +192,7 @@ def test_api_paths_route_to_their_resource(path: str, pattern: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["/api/v1/pods/p", "/api/v1/namespaces/ns/nodes", "/api/v1/nodes/n/eviction", "/api/v1/secrets", "/x"]
+    "path", ["/api/v1/pods/p", "/api/v1/namespaces/ns/nodes", "/api/v1/nodes/n/eviction", "/api/v1/configmaps", "/x"]
 )
 def test_paths_the_server_does_not_serve_route_nowhere(path: str) -> None:
     assert route(path) is None

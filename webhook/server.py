@@ -1,0 +1,142 @@
+"""``spotdrain webhook``: serve ``POST /mutate`` and ``GET /healthz`` over HTTPS until SIGTERM.
+
+The answer is ``webhook.admission``'s; this module reads the body (bounded in size and time), logs what was done,
+and never lets an unforeseen error deny a Pod: the API server is told to admit it unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import ssl
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from inject.pods import Options
+from spotdrain.probes import serve
+from spotdrain.retry import ApiError
+from spotdrain.settings import SettingsError, log_effective
+from spotdrain.tasks import Role, Supervisor, on_signals
+from webhook.admission import BadReview, answer, mutate, parse
+from webhook.settings import WebhookSettings, from_arguments
+
+log = structlog.get_logger()
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=json.dumps(body).encode(), content_type="application/json")
+
+
+async def _read(request: web.Request, timeout_s: float) -> bytes:
+    async with asyncio.timeout(timeout_s):
+        return await request.read()
+
+
+def _pod_name(request: dict[str, Any]) -> str | None:
+    """The Pod's name, or its generateName (a ReplicaSet's pods have no name yet at admission)."""
+    pod = request.get("object")
+    metadata = pod.get("metadata") if isinstance(pod, dict) else None
+    if not isinstance(metadata, dict):
+        return None
+    name = metadata.get("name") or metadata.get("generateName")
+    return str(name) if name else None
+
+
+def webhook_app(options: Options, *, max_body_bytes: int, read_timeout_s: float) -> web.Application:
+    """The app: ``/mutate`` answers AdmissionReviews (400 for anything else), ``/healthz`` says ok."""
+
+    async def mutate_handler(request: web.Request) -> web.Response:
+        try:
+            body = await _read(request, read_timeout_s)
+            review = parse(body)
+        except TimeoutError:
+            log.warning("webhook.bad_request", reason="body not read in time")
+            return _json({"error": "request body not read in time"}, status=408)
+        except BadReview as error:
+            log.warning("webhook.bad_request", reason=str(error))
+            return _json({"error": str(error)}, status=400)
+        uid = review["uid"]
+        try:
+            patch, warnings = mutate(review, options)
+        except Exception:  # a Pod shape no rule foresaw: admitted as it came, never denied
+            log.exception("webhook.mutate_failed", uid=uid)
+            patch, warnings = [], ["spotdrain: the sidecar was not added: the webhook could not read this Pod"]
+        log.info(
+            "webhook.admitted",
+            uid=uid,
+            namespace=review.get("namespace"),
+            pod=_pod_name(review),
+            injected=bool(patch),
+            warnings=warnings,
+        )
+        return _json(answer(uid, patch=patch, warnings=warnings))
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    app = web.Application(client_max_size=max_body_bytes)
+    app.router.add_post("/mutate", mutate_handler)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+def ssl_context(settings: WebhookSettings) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(settings.tls.cert, settings.tls.key)
+    return context
+
+
+async def certificate_reloader(context: ssl.SSLContext, cert: Path, key: Path, *, interval_s: float) -> None:
+    """Load the certificate and key again whenever their files change (cert-manager renews them in the Secret the
+    kubelet keeps mounted), so new connections get the new one; runs until cancelled. A pair that does not load
+    (the kubelet mid-update, a key that is not the certificate's) keeps the old one and is tried again later."""
+    loaded = (cert.read_bytes(), key.read_bytes())
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            current = (cert.read_bytes(), key.read_bytes())
+            if current != loaded:
+                context.load_cert_chain(cert, key)
+                loaded = current
+                log.info("webhook.certificate_reloaded", cert=str(cert))
+        except (OSError, ssl.SSLError) as error:
+            log.warning("webhook.certificate_reload_failed", error=str(error))
+
+
+async def run(settings: WebhookSettings, *, ready_flag: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM or SIGINT; returns the exit code."""
+    log_effective("webhook", settings)
+    if settings.tls.self_managed:
+        from webhook.selfmanaged import ProvisionError, provision
+
+        try:
+            await provision(settings.tls)
+        except (ProvisionError, ApiError, SettingsError) as error:
+            log.error("webhook.tls_failed", error=str(error))
+            return 1
+    stop = asyncio.Event()
+    on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+    app = webhook_app(settings.inject, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
+    context = ssl_context(settings)
+    tls = settings.tls
+    server = serve(
+        app, host=settings.host, port=settings.port, ready_flag=ready_flag, name="webhook", ssl_context=context
+    )
+    roles: list[Role] = [
+        ("webhook_server", server),
+        (
+            "certificate_reloader",
+            certificate_reloader(context, tls.cert, tls.key, interval_s=tls.reload_interval_s),
+        ),
+    ]
+    return 0 if await Supervisor(stop).run(roles) else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(run(from_arguments(args)))
