@@ -41,7 +41,7 @@ tspan.notice { fill: #1a73e8; } tspan.node { fill: #9334e6; } tspan.agent { fill
 tspan.deadline { fill: #1d2330; }
 .evict { fill: #1d2330; } .refusal { stroke: #d93025; stroke-width: 1.5; } .exit { fill: #1d2330; }
 .reclaimed { fill: none; stroke: #1d2330; stroke-width: 2; }
-table.events td { padding: 0 1em 0 0; vertical-align: top; } .legend span { margin-right: 1.5em; }
+table.events td { padding: 0 1em 0 0; vertical-align: top; } .legend span { margin-right: 1.5em; white-space: nowrap; }
 .swatch { display: inline-block; width: 1em; height: .8em; margin-right: .3em; vertical-align: middle; }
 .line { display: inline-block; width: 1.2em; height: 0; margin-right: .3em; vertical-align: middle; }
 """
