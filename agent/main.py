@@ -75,14 +75,13 @@ async def startup_check(actions: NodeActions, settings: NodeSettings, ready: asy
 
 
 async def model_cache(settings: NodeSettings, actions: NodeActions, metrics: CacheMetrics) -> None:
-    """Prepares the model cache when enabled, then reports its size and free bytes while it is mounted.
+    """Prepares the model cache, then reports its size and free bytes while it is mounted.
 
     Returns at once where there is no cache. A failed preparation is logged (``cache.failed``) and leaves the startup
     taint on the node; it never stops the agent, which still has notices to act on.
     """
-    if settings.cache.enabled:
-        with contextlib.suppress(CacheError):
-            await prepare_cache(settings.cache, actions, node_name=settings.node_name, metrics=metrics)
+    with contextlib.suppress(CacheError):
+        await prepare_cache(settings.cache, actions, node_name=settings.node_name, metrics=metrics)
     if not settings.cache.path.is_mount():
         return
     metrics.ready.set(1)
@@ -180,7 +179,10 @@ async def run(
             ("startup_check", startup_check(actions, settings, ready)),
             ("dispatcher", dispatcher(_source(settings, http, registry), handler)),
         ]
-        if not queue_mode:
+        # Only an agent that prepares the cache itself knows it: with --no-model-cache (the DaemonSet, whose init
+        # container prepares it) the node's label and startup taint say whether it is ready, and no gauge here
+        # pretends to.
+        if not queue_mode and settings.cache.enabled:
             roles.append(("model_cache", model_cache(settings, actions, CacheMetrics.create(registry))))
         try:
             ok = await Supervisor(stop).run(roles, one_shot={"startup_check", "model_cache"})

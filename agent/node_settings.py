@@ -9,6 +9,13 @@ from agent.cache.settings import CacheSettings, add_cache_arguments
 from agent.cache.settings import from_arguments as cache_from_arguments
 from spotdrain.settings import add_flag, add_switch, http_url, port, positive_int, require, seconds
 
+# The Kubernetes API rate limit by mode, (calls per second, burst). In queue mode one Deployment marks and drains
+# every node of the cluster, so it gets the limits of Karpenter, the controller that acts on the same interruptions
+# for the whole cluster (KUBE_CLIENT_QPS 200, KUBE_CLIENT_BURST 300: aws/karpenter-provider-aws,
+# website/content/en/preview/reference/settings.md). On a node the agent acts for that node alone, and a
+# thousand such agents share one API server.
+API_LIMITS = {"queue": (200.0, 300), "imds": (10.0, 20)}
+
 
 @dataclass(frozen=True)
 class ImdsSettings:
@@ -83,9 +90,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(parser, "--sqs-wait-time", convert=seconds, default=20.0, help="SQS long-polling wait, at most 20 s")
     add_flag(parser, "--sqs-max-in-flight", convert=positive_int, default=200, help="messages handled at once")
-    add_flag(parser, "--kubeconfig", aliases=("KUBECONFIG",), help="kubeconfig file (default: in-cluster)")
-    add_flag(parser, "--api-qps", convert=float, default=10.0, help="Kubernetes API calls per second")
-    add_flag(parser, "--api-burst", convert=positive_int, default=20, help="Kubernetes API calls in a burst")
+    add_flag(
+        parser,
+        "--kubeconfig",
+        aliases=("KUBECONFIG",),
+        help="kubeconfig file",
+        default_help="the in-cluster service account, else ~/.kube/config",
+    )
+    queue_qps, queue_burst = API_LIMITS["queue"]
+    imds_qps, imds_burst = API_LIMITS["imds"]
+    add_flag(
+        parser,
+        "--api-qps",
+        convert=float,
+        help="Kubernetes API calls per second",
+        default_help=f"{queue_qps:g} in queue mode (Karpenter's), {imds_qps:g} in IMDS mode",
+    )
+    add_flag(
+        parser,
+        "--api-burst",
+        convert=positive_int,
+        help="Kubernetes API calls in a burst",
+        default_help=f"{queue_burst} in queue mode (Karpenter's), {imds_burst} in IMDS mode",
+    )
     add_flag(
         parser,
         "--api-timeout",
@@ -135,7 +162,10 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
     require(queue_mode or bool(args.node_name), "IMDS mode needs --node-name (or NODE_NAME); queue mode --queue-url")
     require(not queue_mode or bool(args.aws_region), "--queue-url needs --aws-region (or AWS_REGION)")
     require(args.imds_interval > 0, "--imds-interval must be above 0 seconds")
-    require(args.api_qps > 0, "--api-qps must be above 0")
+    qps, burst = API_LIMITS["queue" if queue_mode else "imds"]
+    qps = qps if args.api_qps is None else args.api_qps
+    burst = burst if args.api_burst is None else args.api_burst
+    require(qps > 0, "--api-qps must be above 0")
     require(args.sqs_wait_time <= 20, "--sqs-wait-time must be at most 20 seconds (the SQS limit)")
     require(args.heartbeat_interval > 0, "--heartbeat-interval must be above 0 seconds")
     require(args.api_timeout > 0, "--api-timeout must be above 0 seconds")
@@ -163,9 +193,7 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
             heartbeat_s=args.heartbeat_interval,
             progress_timeout_s=args.progress_timeout,
         ),
-        kube=KubeSettings(
-            kubeconfig=args.kubeconfig, qps=args.api_qps, burst=args.api_burst, timeout_s=args.api_timeout
-        ),
+        kube=KubeSettings(kubeconfig=args.kubeconfig, qps=qps, burst=burst, timeout_s=args.api_timeout),
         cache=cache_from_arguments(args),
         host=args.host,
         metrics_port=args.metrics_port,

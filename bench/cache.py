@@ -28,9 +28,13 @@ FIRST_RUN_TARGET_S = 5.0
 RERUN_TARGET_S = 1.0
 
 
+class NoLoopDevice(Exception):
+    """losetup could not attach a loop device here (no /dev/loop-control in a container, none left)."""
+
+
 @contextmanager
 def loop_devices(workdir: Path, count: int) -> Iterator[list[str]]:
-    """Sparse files attached as loop devices; detached again at the end."""
+    """Sparse files attached as loop devices; detached again at the end. NoLoopDevice when one cannot be had."""
     devices: list[str] = []
     try:
         for index in range(count):
@@ -38,6 +42,8 @@ def loop_devices(workdir: Path, count: int) -> Iterator[list[str]]:
             with image.open("wb") as file:
                 file.truncate(DISK_BYTES)
             found = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True)
+            if found.returncode != 0 or not found.stdout.strip():
+                raise NoLoopDevice(f"losetup could not attach a loop device: {found.stderr.strip() or 'no output'}")
             devices.append(found.stdout.strip())
         yield devices
     finally:
@@ -82,25 +88,37 @@ async def _layout(name: str, devices: list[str], workdir: Path, kube: FakeKube, 
 
 def _skipped(name: str, why: str) -> list[Result]:
     return [
-        Result(f"cache_first_run_{name}", 0.0, "s", FIRST_RUN_TARGET_S, True, f"skipped: {why}"),
-        Result(f"cache_rerun_{name}", 0.0, "s", RERUN_TARGET_S, True, f"skipped: {why}"),
+        Result.skip(f"cache_first_run_{name}", "s", FIRST_RUN_TARGET_S, why),
+        Result.skip(f"cache_rerun_{name}", "s", RERUN_TARGET_S, why),
     ]
 
 
+def _missing() -> str | None:
+    """Why the cache cannot be benchmarked here at all, or None."""
+    if os.geteuid() != 0:
+        return "needs root, to attach loop devices and mount them"
+    lacking = [tool for tool in ("losetup", "mkfs.xfs") if shutil.which(tool) is None]
+    return f"{' and '.join(lacking)} not installed here" if lacking else None
+
+
 async def measure() -> list[Result]:
-    if os.geteuid() != 0 or shutil.which("losetup") is None or shutil.which("mkfs.xfs") is None:
-        return _skipped("single", "needs root, losetup and mkfs.xfs") + _skipped("raid0", "needs root and losetup")
+    why = _missing()
+    if why is not None:
+        return _skipped("single", why) + _skipped("raid0", why)
     md = Path("/proc/mdstat").exists() and shutil.which("mdadm") is not None
     with tempfile.TemporaryDirectory(prefix="spotdrain-bench-cache-") as tmp:
         workdir = Path(tmp)
         async with FakeKube() as kube, api_client(str(kube.write_kubeconfig(workdir / "kubeconfig"))) as api:
             actions = KubeActions(api, limiter=RateLimiter(qps=100, burst=100), on_error=lambda _: None)
-            with loop_devices(workdir, DISKS) as devices:
-                results = await _layout("single", devices[:1], workdir, kube, actions)
-                if md:
-                    results += await _layout("raid0", devices, workdir, kube, actions)
-                else:
-                    results += _skipped("raid0", "no md driver (/proc/mdstat) or no mdadm on this machine")
+            try:
+                with loop_devices(workdir, DISKS) as devices:
+                    results = await _layout("single", devices[:1], workdir, kube, actions)
+                    if md:
+                        results += await _layout("raid0", devices, workdir, kube, actions)
+                    else:
+                        results += _skipped("raid0", "no md driver (/proc/mdstat) or no mdadm on this machine")
+            except NoLoopDevice as error:
+                return _skipped("single", str(error)) + _skipped("raid0", str(error))
     return results
 
 

@@ -1,4 +1,8 @@
-"""One result format for every benchmark: name, value, unit, target and whether it was met."""
+"""One result format for every benchmark: name, value, unit, target and whether it was met, or why it was skipped.
+
+A benchmark that cannot run here reports no figure: its value and ``passed`` are null and ``skipped`` says why, so
+a skipped result neither passes nor fails, and can never be read as a measurement.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +16,25 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Result:
     name: str
-    value: float
+    value: float | None  # None: nothing was measured (skipped)
     unit: str
     target: float
-    passed: bool
+    passed: bool | None  # None: skipped
     detail: str = ""
+    skipped: str | None = None  # why it could not run here
 
     @classmethod
     def below(cls, name: str, value: float, unit: str, target: float, detail: str = "") -> Result:
         return cls(name, round(value, 4), unit, target, value < target, detail)
+
+    @classmethod
+    def skip(cls, name: str, unit: str, target: float, why: str) -> Result:
+        return cls(name, None, unit, target, None, f"skipped: {why}", skipped=why)
+
+
+def missed(results: list[Result]) -> bool:
+    """Whether a measured result missed its target; skipped ones miss nothing."""
+    return any(result.passed is False for result in results)
 
 
 def report(results: list[Result]) -> None:

@@ -43,9 +43,9 @@ def measure() -> list[Result]:
     for name, argv in SHELLS.items():
         found = shutil.which(argv[0])
         if found is None:
-            why = f"skipped: {argv[0]} is not installed here"
-            results.append(Result(f"prestop_wake_{name}", 0.0, "s", WAKE_TARGET_S, True, why))
-            results.append(Result(f"prestop_wait_cpu_{name}", 0.0, "%", CPU_TARGET_PERCENT, True, why))
+            why = f"{argv[0]} is not installed here"
+            results.append(Result.skip(f"prestop_wake_{name}", "s", WAKE_TARGET_S, why))
+            results.append(Result.skip(f"prestop_wait_cpu_{name}", "%", CPU_TARGET_PERCENT, why))
             continue
         with tempfile.TemporaryDirectory() as directory:
             results += _measure(name, [found, *argv[1:]], Path(directory))

@@ -42,20 +42,28 @@ class EngineClient:
         self.spec = settings.spec
         self.metrics = metrics
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.metrics_url = settings.url + "/metrics"
         self.connections = connections
         self.last_error: str | None = None
+        self.last_health_error: str | None = None
         self.connections_unknown = False  # no zero is believed while connections cannot be counted
 
     async def healthy(self) -> tuple[bool, str]:
+        """Whether the engine's health URL answers 200, and why not; a change of answer is logged once, with the
+        URL, so a sidecar pointed at the wrong port says where it looked."""
+        url = self.settings.url + self.settings.health_path
         try:
-            async with self.session.get(
-                self.settings.url + self.settings.health_path, timeout=self.timeout
-            ) as response:
-                if response.status == 200:
-                    return True, "ok"
-                return False, f"engine health answered HTTP {response.status}"
+            async with self.session.get(url, timeout=self.timeout) as response:
+                problem = None if response.status == 200 else f"engine health answered HTTP {response.status}"
         except (TimeoutError, aiohttp.ClientError) as error:
-            return False, f"engine unreachable: {type(error).__name__}"
+            problem = f"engine unreachable at {url}: {type(error).__name__}"
+        if problem != self.last_health_error:
+            if problem is None:
+                log.info("engine.healthy", url=url, after=self.last_health_error)
+            else:
+                log.warning("engine.unhealthy", url=url, error=problem)
+            self.last_health_error = problem
+        return (True, "ok") if problem is None else (False, problem)
 
     async def read(self, *, wants_connections: Callable[[Reading], bool] = lambda _: False) -> Reading:
         """One reading; a part that cannot be read is None, and the failure is logged once and counted.
@@ -92,18 +100,18 @@ class EngineClient:
 
     async def _page(self) -> str:
         try:
-            async with self.session.get(
-                self.settings.url + "/metrics", headers={"Accept": ACCEPT}, timeout=self.timeout
-            ) as response:
+            async with self.session.get(self.metrics_url, headers={"Accept": ACCEPT}, timeout=self.timeout) as response:
                 if response.status != 200:
                     raise MetricsError("http", f"metrics page answered HTTP {response.status}")
                 # The text format is UTF-8 whatever the header says: a charset Python does not know would raise.
                 return (await response.read()).decode("utf-8", errors="replace")
         except (TimeoutError, aiohttp.ClientError) as error:
-            raise MetricsError("unreachable", f"metrics page unreachable: {type(error).__name__}: {error}") from None
+            raise MetricsError(
+                "unreachable", f"metrics page {self.metrics_url} unreachable: {type(error).__name__}: {error}"
+            ) from None
 
     def _failed(self, kind: str, message: str) -> None:
         self.metrics.read_errors.labels(kind=kind).inc()
         if message != self.last_error:
-            log.warning("engine.read_failed", kind=kind, error=message)
+            log.warning("engine.read_failed", kind=kind, url=self.metrics_url, error=message)
         self.last_error = message

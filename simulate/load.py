@@ -27,7 +27,9 @@ class Load:
         self.slots = slots
         self.length_s = length_s
         self.tokens_per_s = tokens_per_s
-        self._ids = itertools.count(1)
+        # Streams are numbered as they are routed, refused requests apart: a refusal is no stream that failed.
+        self._stream_ids = itertools.count(1)
+        self._refusal_ids = itertools.count(1)
 
     async def run(self) -> None:
         """Runs every slot; returns once each has been refused (or raises CancelledError when cancelled)."""
@@ -46,16 +48,18 @@ class Load:
 
     async def _one(self, session: aiohttp.ClientSession, slot: int) -> StreamRecord:
         wanted = max(1, round(self.length_s(slot) * self.tokens_per_s))
-        stream_id = next(self._ids)
         started = self.recorder.now()
+        stream_id = 0
         pod: str | None = None
         received = 0
         done = False
-        body = {"prompt": f"stream {stream_id}", "max_tokens": wanted, "stream": True}
+        body = {"prompt": f"slot {slot}", "max_tokens": wanted, "stream": True}
         try:
             async with session.post(f"{self.url}/v1/completions", json=body) as response:
                 if response.status != 200:  # 503 from the router: no pod in rotation
-                    return StreamRecord(stream_id, slot, None, started, self.recorder.now(), wanted, 0, Outcome.REFUSED)
+                    refusal = next(self._refusal_ids)
+                    return StreamRecord(refusal, slot, None, started, self.recorder.now(), wanted, 0, Outcome.REFUSED)
+                stream_id = next(self._stream_ids)
                 pod = response.headers.get(POD_HEADER)
                 async for raw in response.content:
                     token, finished = parse_line(raw)
@@ -64,6 +68,7 @@ class Load:
         except (aiohttp.ClientError, ConnectionResetError):
             pass  # the stream broke off: whatever arrived is all there is
         outcome = Outcome.COMPLETED if done and received == wanted else Outcome.CUT
+        stream_id = stream_id or next(self._stream_ids)  # it broke off before any answer: a stream cut, as before
         return StreamRecord(stream_id, slot, pod, started, self.recorder.now(), wanted, received, outcome)
 
 

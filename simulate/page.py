@@ -1,8 +1,9 @@
 """A run drawn as a self-contained HTML page: inline CSS and SVG, no script and no external asset.
 
-One lane per pod (in rotation, draining, terminating, gone; evictions refused and done, the engine's exit) and one
-lane per stream (green when it completed intact, red when it was cut), on one time axis with the notice, the taint,
-the cordon and the deadline marked across every lane. The verdict and the event list follow.
+One lane per pod (in rotation, draining, terminating, gone; evictions refused and done, the engine's exit, lost with
+the instance) and one lane per stream (green when it completed intact, red when it was cut), on one time axis with
+the notice, the taint, the cordon, a killed node agent and the deadline marked across every lane. The verdict and the
+event list follow.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from simulate.timeline import Event, Kind, Outcome, StreamRecord
 
 LABEL_W = 150
 PLOT_W = 900
-POD_H = 26
+POD_H = 30
+BAR_TOP, BAR_H = 8, 14  # a pod's bar within its lane: the eviction's mark above it, the engine's exit below
 STREAM_H = 11
-TOP = 60
+TOP = 40
 GAP = 24
+LABEL_Y = 16  # the markers' labels: one row, a label per group of markers too close to label apart
+CHAR_W = 6.5  # at least the width of one character of the 11 px labels, to keep them apart
 
 STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #1d2330; }
@@ -31,10 +35,15 @@ svg text { font: 11px system-ui, sans-serif; fill: #1d2330; }
 .serving { fill: #34a853; } .draining { fill: #f9ab00; } .drained { fill: #a8c7fa; }
 .terminating { fill: #9aa0a6; }
 .completed { fill: #34a853; } .cut { fill: #d93025; } .axis { stroke: #c5c9d0; }
-.marker { stroke-width: 1.5; } .notice { stroke: #1a73e8; } .node { stroke: #9334e6; } .deadline { stroke: #d93025; }
+.marker { stroke-width: 1.5; } line.notice { stroke: #1a73e8; } line.node { stroke: #9334e6; }
+line.agent { stroke: #00796b; stroke-dasharray: 2 2; } line.deadline { stroke: #1d2330; stroke-dasharray: 6 3; }
+tspan.notice { fill: #1a73e8; } tspan.node { fill: #9334e6; } tspan.agent { fill: #00796b; }
+tspan.deadline { fill: #1d2330; }
 .evict { fill: #1d2330; } .refusal { stroke: #d93025; stroke-width: 1.5; } .exit { fill: #1d2330; }
-table.events td { padding: 0 1em 0 0; vertical-align: top; } .legend span { margin-right: 1.5em; }
+.reclaimed { fill: none; stroke: #1d2330; stroke-width: 2; }
+table.events td { padding: 0 1em 0 0; vertical-align: top; } .legend span { margin-right: 1.5em; white-space: nowrap; }
 .swatch { display: inline-block; width: 1em; height: .8em; margin-right: .3em; vertical-align: middle; }
+.line { display: inline-block; width: 1.2em; height: 0; margin-right: .3em; vertical-align: middle; }
 """
 
 
@@ -80,25 +89,32 @@ def _phases(pod: PodSummary, *, begin: float, end: float) -> Iterator[tuple[str,
 def _pod_lane(pod: PodSummary, events: tuple[Event, ...], scale: Scale, *, y: float, begin: float, end: float) -> str:
     parts = [
         f'<g class="lane pod" data-pod="{_e(pod.name)}">',
-        f'<text x="4" y="{y + POD_H * 0.65}">{_e(pod.name)}</text>',
+        f'<text x="4" y="{y + BAR_TOP + BAR_H * 0.75}">{_e(pod.name)}</text>',
     ]
     for state, start, stop in _phases(pod, begin=begin, end=end):
         title = f"{pod.name} {state} {start:.2f}-{stop:.2f} s"
-        parts.append(_rect(scale, start=start, end=stop, y=y + 4, h=POD_H - 8, cls=state, title=title))
-    for event in events:
-        if event.pod != pod.name:
-            continue
-        x, mid = scale.x(event.at), y + POD_H / 2
-        tip = f"<title>{_e(f'{event.at:.2f} s {event.text}')}</title>"
-        if event.kind is Kind.EVICTION_BLOCKED:
-            cross = f"M{x - 3},{mid - 3}L{x + 3},{mid + 3}M{x - 3},{mid + 3}L{x + 3},{mid - 3}"
-            parts.append(f'<path class="refusal" d="{cross}">{tip}</path>')
-        elif event.kind is Kind.EVICTED:
-            parts.append(f'<path class="evict" d="M{x - 5},{y}L{x + 5},{y}L{x},{y + 8}Z">{tip}</path>')
-        elif event.kind is Kind.ENGINE_EXITED:
-            parts.append(f'<rect class="exit" x="{x - 3}" y="{mid - 3}" width="6" height="6">{tip}</rect>')
+        parts.append(_rect(scale, start=start, end=stop, y=y + BAR_TOP, h=BAR_H, cls=state, title=title))
+    parts += [_mark(event, scale.x(event.at), y) for event in events if event.pod == pod.name]
     parts.append("</g>")
     return "".join(parts)
+
+
+def _mark(event: Event, x: float, y: float) -> str:
+    """A pod's event as a glyph of its own, each in its band of the lane so that none covers another: the eviction
+    above the bar, refusals and the instance's loss on it, the engine's exit below it."""
+    tip = f"<title>{_e(f'{event.at:.2f} s {event.text}')}</title>"
+    mid, below = y + BAR_TOP + BAR_H / 2, y + BAR_TOP + BAR_H
+    if event.kind is Kind.EVICTED:
+        return f'<path class="evict" d="M{x - 5},{y}L{x + 5},{y}L{x},{y + BAR_TOP}Z">{tip}</path>'
+    if event.kind is Kind.ENGINE_EXITED:
+        return f'<rect class="exit" x="{x - 3}" y="{below + 1}" width="6" height="6">{tip}</rect>'
+    if event.kind is Kind.EVICTION_BLOCKED:
+        cross = f"M{x - 3},{mid - 3}L{x + 3},{mid + 3}M{x - 3},{mid + 3}L{x + 3},{mid - 3}"
+        return f'<path class="refusal" d="{cross}">{tip}</path>'
+    if event.kind is Kind.RECLAIMED:
+        cross = f"M{x - 4},{mid - 4}L{x + 4},{mid + 4}M{x - 4},{mid + 4}L{x + 4},{mid - 4}"
+        return f'<g class="reclaimed"><circle cx="{x}" cy="{mid}" r="6"/><path d="{cross}"/>{tip}</g>'
+    return ""
 
 
 def _stream_lane(stream: StreamRecord, scale: Scale, *, y: float) -> str:
@@ -116,22 +132,46 @@ def _stream_lane(stream: StreamRecord, scale: Scale, *, y: float) -> str:
     )
 
 
-def _markers(result: RunResult, scale: Scale, *, height: float) -> Iterator[str]:
+Marker = tuple[float, str, str]  # x, class, label
+
+
+def _marker_list(result: RunResult, scale: Scale) -> list[Marker]:
     s = result.summary
-    # Labels on rows of their own: the notice, the taint and the cordon come within a fraction of a second.
-    for row, (at, cls, label) in enumerate(
-        (
-            (s.notice_at, "notice", "notice"),
-            (s.tainted_at, "node", "taint"),
-            (s.cordoned_at, "node", "cordon"),
-            (s.deadline_at, "deadline", "deadline"),
-        )
-    ):
-        if at is None:
-            continue
-        x, y = scale.x(at), 14 + (row % 3) * 14
-        yield f'<line class="marker {cls}" x1="{x}" y1="{y + 2}" x2="{x}" y2="{height}"/>'
-        yield f'<text x="{x + 3}" y="{y}">{label}</text>'
+    killed = [e.at for e in result.events if e.kind is Kind.AGENT_KILLED]
+    found: list[tuple[float | None, str, str]] = [
+        (s.notice_at, "notice", "notice"),
+        (s.tainted_at, "node", "taint"),
+        (s.cordoned_at, "node", "cordon"),
+        *((at, "agent", "agent killed") for at in killed),
+        (s.deadline_at, "deadline", "deadline"),
+    ]
+    # By time alone, so markers at one instant keep the order they happen in (the taint, then the cordon).
+    return sorted(((scale.x(at), cls, label) for at, cls, label in found if at is not None), key=lambda m: m[0])
+
+
+def label_groups(markers: list[Marker]) -> list[list[Marker]]:
+    """Markers in groups whose one label, ``a · b · c`` at the first one's x, ends before the next group's begins:
+    the notice, the taint and the cordon come within a fraction of a second, too close for labels of their own."""
+    groups: list[list[Marker]] = []
+    for marker in markers:
+        if groups and marker[0] <= groups[-1][0][0] + label_width(groups[-1]) + CHAR_W:
+            groups[-1].append(marker)
+        else:
+            groups.append([marker])
+    return groups
+
+
+def label_width(group: list[Marker]) -> float:
+    return len(" · ".join(label for _, _, label in group)) * CHAR_W
+
+
+def _markers(result: RunResult, scale: Scale, *, height: float) -> Iterator[str]:
+    markers = _marker_list(result, scale)
+    for x, cls, _ in markers:
+        yield f'<line class="marker {cls}" x1="{x}" y1="{LABEL_Y + 4}" x2="{x}" y2="{height}"/>'
+    for group in label_groups(markers):
+        words = " · ".join(f'<tspan class="{cls}">{_e(label)}</tspan>' for _, cls, label in group)
+        yield f'<text class="label" x="{group[0][0] + 3}" y="{LABEL_Y}">{words}</text>'
 
 
 def timeline_svg(result: RunResult) -> str:
@@ -142,7 +182,7 @@ def timeline_svg(result: RunResult) -> str:
     scale = Scale(max(0.0, begin - 0.5), end)
     height = TOP + len(s.pods) * POD_H + GAP + len(streams) * STREAM_H + 10
     # Room on the right for the last marker's label (the deadline's).
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LABEL_W + PLOT_W + 70}" height="{height + 20}">']
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LABEL_W + PLOT_W + 90}" height="{height + 20}">']
     for tick in scale.ticks():
         x = scale.x(tick)
         parts.append(f'<line class="axis" x1="{x}" y1="{TOP}" x2="{x}" y2="{height}"/>')
@@ -161,15 +201,30 @@ def timeline_svg(result: RunResult) -> str:
 
 
 LEGEND = "".join(
-    f'<span><i class="swatch" style="background:{color}"></i>{_e(name)}</span>'
-    for name, color in (
-        ("pod in rotation", "#34a853"),
-        ("draining (out of rotation)", "#f9ab00"),
-        ("drained, not yet evicted", "#a8c7fa"),
-        ("terminating (evicted)", "#9aa0a6"),
-        ("stream completed", "#34a853"),
-        ("stream cut", "#d93025"),
-    )
+    [
+        *(
+            f'<span><i class="swatch" style="background:{color}"></i>{_e(name)}</span>'
+            for name, color in (
+                ("pod in rotation", "#34a853"),
+                ("draining (out of rotation)", "#f9ab00"),
+                ("drained, not yet evicted", "#a8c7fa"),
+                ("terminating (evicted)", "#9aa0a6"),
+                ("stream completed", "#34a853"),
+                ("stream cut", "#d93025"),
+            )
+        ),
+        *(
+            f'<span><i class="line" style="border-top: 2px {style} {color}"></i>{_e(name)}</span>'
+            for name, style, color in (
+                ("notice", "solid", "#1a73e8"),
+                ("taint, cordon", "solid", "#9334e6"),
+                ("node agent killed", "dotted", "#00796b"),
+                ("deadline", "dashed", "#1d2330"),
+            )
+        ),
+        "<span>&#9660; eviction</span><span>&#10005; eviction refused (429)</span>",
+        "<span>&#9632; engine exit</span><span>&#8855; lost with the instance</span>",
+    ]
 )
 
 
@@ -184,7 +239,7 @@ def render_html(result: RunResult) -> str:
         f"<style>{STYLE}</style></head><body>"
         f'<h1>spotdrain simulate: {_e(result.scenario.name)} <span class="{status}">{status.upper()}</span></h1>'
         f"<p>{_e(result.scenario.title)}. Expected: {_e(result.scenario.expectation)}.</p>"
-        f'<p class="legend">{LEGEND} &#9660; eviction &#10005; eviction refused (429) &#9632; engine exit</p>'
+        f'<p class="legend">{LEGEND}</p>'
         f"{timeline_svg(result)}"
         f"<h2>Verdict</h2><pre>{_e(verdict(result))}</pre>"
         f'<h2>Events</h2><table class="events">{rows}</table>'

@@ -73,7 +73,7 @@ class Outcome(enum.StrEnum):
 
 @dataclass(frozen=True)
 class StreamRecord:
-    id: int
+    id: int  # streams count 1, 2, ... as they are routed; refused requests count apart, from 1 too
     slot: int  # the load generator's concurrent slot that opened it
     pod: str | None  # None when refused
     started: float
@@ -97,9 +97,10 @@ class StreamRecord:
 
 def stream_event(record: StreamRecord) -> Event:
     """The event a stream's end adds to the timeline."""
-    subject = f"stream {record.id}"
     if record.outcome is Outcome.REFUSED:
-        return Event(record.ended, Kind.REFUSED, subject, "new request refused (503): no pod in rotation")
+        text = f"refused (503): no pod in rotation; its client stops (refusal {record.id})"
+        return Event(record.ended, Kind.REFUSED, "new request", text)
+    subject = f"stream {record.id}"
     if record.outcome is Outcome.COMPLETED:
         text = f"completed intact on {record.pod} ({record.received} tokens)"
         return Event(record.ended, Kind.STREAM_COMPLETED, subject, text, pod=record.pod)

@@ -73,16 +73,22 @@ def _installed(name: str) -> ModuleType | None:
         raise
 
 
+def _command_in(argv: Sequence[str]) -> str:
+    """The subcommand the words name: the first that is one (the options before it take only their choices)."""
+    return next((word for word in argv if word in COMMANDS), "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parser.parse_args(words)
         json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
         configure_logging(json=json_logs, level=args.log_level)
         code: int = importlib.import_module(COMMANDS[args.command][2]).main(args)
     except SettingsError as error:
-        command = " ".join(a for a in (sys.argv[1:2] if argv is None else list(argv)[:1]))
-        print(f"spotdrain {command}: error: {error}".replace("  ", " "), file=sys.stderr)
+        prog = " ".join(("spotdrain", _command_in(words))).strip()
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -107,8 +107,12 @@ def add_flag(
     aliases: tuple[str, ...] = (),
     choices: tuple[str, ...] | None = None,
     env: Mapping[str, str] | None = None,
+    default_help: str | None = None,
 ) -> None:
-    """Add ``flag``; its default comes from ``SPOTDRAIN_<FLAG>`` (or an alias variable) when set."""
+    """Add ``flag``; its default comes from ``SPOTDRAIN_<FLAG>`` (or an alias variable) when set.
+
+    ``default_help`` says what the default is where ``default`` alone cannot (one that depends on another flag).
+    """
     from_env = _from_env(flag, convert, os.environ if env is None else env, aliases)
     if choices is not None and from_env is not None and from_env not in choices:
         raise SettingsError(f"{env_name(flag)}={from_env!r}: choose from {', '.join(choices)}")
@@ -118,7 +122,7 @@ def add_flag(
         type=convert,
         default=default if from_env is None else from_env,
         choices=choices,
-        help=f"{help} (env {variables}; default: {default})",
+        help=f"{help} (env {variables}; default: {default if default_help is None else default_help})",
     )
 
 

@@ -76,7 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``spotdrain cache`` command line."""
     add_cache_arguments(parser)
     add_flag(parser, "--node-name", aliases=("NODE_NAME",), help="label and untaint this node once the cache is ready")
-    add_flag(parser, "--kubeconfig", aliases=("KUBECONFIG",), help="kubeconfig file (default: in-cluster)")
+    add_flag(
+        parser,
+        "--kubeconfig",
+        aliases=("KUBECONFIG",),
+        help="kubeconfig file",
+        default_help="the in-cluster service account, else ~/.kube/config",
+    )
 
 
 def from_arguments(args: argparse.Namespace) -> CacheSettings:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
 from kubernetes_asyncio import client
 
+from agent.drain.kube_config import api_source
 from agent.drain.kube_transport import DEFAULT_TIMEOUT_S, Transport
 from agent.drain.planning import Node, Pod, instance_id_of
 from spotdrain.clock import rfc3339, utcnow
@@ -230,17 +233,18 @@ class NodeIndex:
 
 @asynccontextmanager
 async def api_client(kubeconfig: str | None) -> AsyncIterator[client.ApiClient]:
-    """An ApiClient from a kubeconfig file, or from the pod's service account when none is given."""
+    """An ApiClient from a kubeconfig file, the pod's service account, or ``~/.kube/config`` (see kube_config)."""
     from kubernetes_asyncio import config
 
+    source = api_source(kubeconfig, env=os.environ, home=Path.home())
     configuration = client.Configuration()
     try:
-        if kubeconfig:
-            await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        if source.path is not None:
+            await config.load_kube_config(config_file=source.path, client_configuration=configuration)
         else:
             config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     except (config.ConfigException, OSError, ValueError) as error:
-        where = f"kubeconfig {kubeconfig}" if kubeconfig else "the in-cluster service account"
-        raise SettingsError(f"cannot reach the Kubernetes API through {where}: {error}") from None
+        raise SettingsError(f"cannot reach the Kubernetes API through {source.describe()}: {error}") from None
+    log.info("api.configured", source=source.kind, kubeconfig=source.path, server=configuration.host)
     async with client.ApiClient(configuration) as api:
         yield api

@@ -168,9 +168,71 @@ def structural(schema: Obj) -> Obj:
     return out
 
 
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+# The shared folder has no CRD for the Prometheus Operator's PrometheusRule: this is its structure as the operator's
+# documentation gives it (monitoring.coreos.com/v1: spec.groups[] of name, interval, limit, rules[] of alert or
+# record, expr, for, keep_firing_for, labels, annotations), unknown fields refused. The real CRD, where the shared
+# folder has it, comes first.
+PROMETHEUS_RULE = {
+    "type": "object",
+    "required": ["spec"],
+    "properties": {
+        "apiVersion": {"type": "string"},
+        "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": _DURATION,
+                            "limit": {"type": "integer"},
+                            "labels": _STRINGS,
+                            "partial_response_strategy": {"type": "string"},
+                            "query_offset": _DURATION,
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["expr"],
+                                    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                                    "properties": {
+                                        "alert": {"type": "string"},
+                                        "record": {"type": "string"},
+                                        "expr": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                                        "for": _DURATION,
+                                        "keep_firing_for": _DURATION,
+                                        "labels": _STRINGS,
+                                        "annotations": _STRINGS,
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
+OWN_SCHEMAS = {("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE}
+
+
 @functools.cache
 def crd_validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
-    """(apiVersion, kind) to a validator, for every CRD in the shared folder; empty when the folder is absent."""
+    """(apiVersion, kind) to a validator, for every CRD in the shared folder (and the kinds it lacks that
+    OWN_SCHEMAS describes); empty when the folder is absent."""
     validators = {}
     for path in sorted(CRDS.glob("*.yaml")) if CRDS.is_dir() else []:
         crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
@@ -178,6 +240,9 @@ def crd_validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
             schema = structural(version["schema"]["openAPIV3Schema"])
             key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
             validators[key] = jsonschema.Draft7Validator(schema)
+    if validators:
+        for key, schema in OWN_SCHEMAS.items():
+            validators.setdefault(key, jsonschema.Draft7Validator(schema))
     return validators
 
 

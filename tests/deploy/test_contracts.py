@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.drain.metrics import AgentMetrics
+from agent.node_settings import API_LIMITS
 from sidecar.engines import ENGINES
 from sidecar.metrics import SidecarMetrics
 from spotdrain.settings import env_name
@@ -229,3 +230,20 @@ def test_every_command_line_in_deploy_parses_with_the_real_parser(
 def test_every_spotdrain_variable_in_deploy_is_a_flag(call: Invocation) -> None:
     known = {env_name(option) for option in option_strings(call.subcommand) if option.startswith("--")}
     assert {name for name in call.env if name.startswith("SPOTDRAIN_")} <= known
+
+
+def test_each_agent_runs_its_modes_api_limits_or_more_in_queue_mode(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agents = [call for call in _calls() if call.subcommand == "node"]
+    if not agents:
+        pytest.skip("kubectl is not installed: the kustomizations cannot be rendered")
+    for call in agents:
+        kube = parse(call, monkeypatch, capsys).kube
+        if "--queue-url" not in call.argv and "SPOTDRAIN_QUEUE_URL" not in call.env:
+            # A thousand of these share one API server: the node's low default, never raised.
+            assert (kube.qps, kube.burst) == API_LIMITS["imds"], call.where
+            continue
+        # bench/burst.py reads the queue Deployment's own flags: its figure is for these.
+        assert kube.qps >= API_LIMITS["queue"][0], call.where
+        assert kube.burst >= API_LIMITS["queue"][1], call.where

@@ -14,10 +14,14 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from agent.drain.kube_config import TOKEN
 from agent.drain.planning import ADDED, TAINT_KEY, TERMINATION_TIME
+from agent.main import run
+from agent.node_settings import from_arguments
 from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import free_port, status_of
+from spotdrain.cli import build_parser
 from spotdrain.clock import rfc3339, utcnow
 from tests.conftest import node_agent, until
 from tests.deploy.manifests import grants, needed, render
@@ -234,3 +238,27 @@ async def test_imds_mode_calls_exactly_what_its_account_is_granted(
             imds.set_maintenance_state(event_id, "canceled")
             await until(lambda: len(kube.events()) == 2)
     assert needed(kube.calls, granted) == granted
+
+
+async def test_outside_a_cluster_without_a_kubeconfig_the_agent_uses_the_home_one_and_says_so(
+    kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if TOKEN.exists():
+        pytest.skip(f"this machine is a pod ({TOKEN}): its service account would come first")
+    for name in ("KUBECONFIG", "SPOTDRAIN_KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".kube").mkdir()
+    kubeconfig = kube.write_kubeconfig(tmp_path / ".kube" / "config")
+    imds = FakeImds(instance_id=INSTANCE)
+    with capture_logs() as logs:
+        async with serving(imds) as url:
+            argv = ["node", "--node-name", "gpu-1", "--imds-url", url, "--host", "127.0.0.1", "--no-model-cache"]
+            argv += ["--metrics-port", str(free_port()), "--notice-port", str(free_port())]
+            stop = asyncio.Event()
+            task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), stop=stop))
+            await until(lambda: task.done() or any(e["event"] == "startup.ready" for e in logs))
+            stop.set()
+            assert await asyncio.wait_for(task, 10) == 0
+    configured = [(e["source"], e["kubeconfig"], e["server"]) for e in logs if e["event"] == "api.configured"]
+    assert configured == [("home", str(kubeconfig), kube.url)]

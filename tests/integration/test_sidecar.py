@@ -88,9 +88,11 @@ async def test_ready_follows_the_engines_health(tmp_path: Path) -> None:
         async with sidecar(tmp_path / "up", engine) as car:
             assert await car.ready() == 200
         # Another pod: the first one's drain directory records its drain, which a sidecar there would resume.
-        async with sidecar(tmp_path / "down", free_port()) as car:
+        nothing_there = free_port()
+        async with sidecar(tmp_path / "down", nothing_there) as car:
             status, reason = await status_of(car.url + "/ready")
-            assert (status, reason.strip()) == (503, "engine unreachable: ClientConnectorError")
+            unreachable = f"engine unreachable at http://127.0.0.1:{nothing_there}/health: ClientConnectorError"
+            assert (status, reason.strip()) == (503, unreachable)
 
 
 async def test_the_prestop_file_drains_the_pod_and_drained_comes_after_the_last_stream(tmp_path: Path) -> None:

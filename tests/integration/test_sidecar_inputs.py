@@ -140,3 +140,30 @@ async def test_a_metrics_page_in_a_charset_python_does_not_know_is_read_as_utf8(
     ):
         engine = EngineClient(session, EngineSettings("vllm", url, None, None, "/health"), metrics)
         assert (await engine.read()).in_flight == 3
+
+
+async def test_an_engine_it_cannot_reach_is_logged_once_with_the_url_it_tried() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    metrics = SidecarMetrics.create(CollectorRegistry())
+    async with engine_session() as session:
+        engine = EngineClient(session, EngineSettings("vllm", url, None, None, "/health"), metrics)
+        with capture_logs() as logs:
+            answers = [await engine.healthy() for _ in range(3)]
+            await engine.read()
+    assert set(answers) == {(False, f"engine unreachable at {url}/health: ClientConnectorError")}
+    assert [(e["event"], e["url"]) for e in logs] == [
+        ("engine.unhealthy", f"{url}/health"),
+        ("engine.read_failed", f"{url}/metrics"),
+    ]
+
+
+async def test_an_engine_that_comes_up_is_logged_healthy_once() -> None:
+    status = [503]
+    metrics = SidecarMetrics.create(CollectorRegistry())
+    async with serving("/health-of-test", lambda: (status[0], b"", "text/plain")) as url, engine_session() as session:
+        engine = EngineClient(session, EngineSettings("vllm", url, None, None, "/health-of-test"), metrics)
+        with capture_logs() as logs:
+            assert await engine.healthy() == (False, "engine health answered HTTP 503")
+            status[0] = 200
+            assert [await engine.healthy() for _ in range(2)] == [(True, "ok")] * 2
+    assert [e["event"] for e in logs] == ["engine.unhealthy", "engine.healthy"]

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from agent.node_settings import NodeSettings
+from agent.node_settings import API_LIMITS, NodeSettings
 from agent.node_settings import from_arguments as node_from_arguments
 from sidecar.settings import SidecarSettings, from_arguments
 from spotdrain.cli import build_parser, main
@@ -129,3 +132,48 @@ def test_an_unbounded_timeout_is_refused(flag: str) -> None:
 def test_liveness_outlasts_the_pause_before_evicting() -> None:
     with pytest.raises(SettingsError, match="--progress-timeout must be longer than --eviction-delay"):
         node_settings_for("--eviction-delay", "90")
+
+
+QUEUE = ("--queue-url", "https://sqs.us-east-1.amazonaws.com/1/q", "--aws-region", "us-east-1")
+
+
+def test_the_api_rate_limit_defaults_to_karpenters_in_queue_mode_and_stays_low_on_a_node() -> None:
+    queue = node_from_arguments(build_parser().parse_args(["node", *QUEUE]))
+    assert (queue.kube.qps, queue.kube.burst) == API_LIMITS["queue"] == (200.0, 300)
+    imds = node_settings_for()
+    assert (imds.kube.qps, imds.kube.burst) == API_LIMITS["imds"] == (10.0, 20)
+
+
+@pytest.mark.parametrize("mode", [QUEUE, ("--node-name", "gpu-1")])
+def test_a_given_api_rate_limit_wins_over_the_modes_by_flag_or_variable(
+    mode: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = node_from_arguments(build_parser().parse_args(["node", *mode, "--api-qps", "50"]))
+    assert settings.kube.qps == 50
+    monkeypatch.setenv("SPOTDRAIN_API_BURST", "70")
+    assert node_from_arguments(build_parser().parse_args(["node", *mode])).kube.burst == 70
+
+
+def test_help_says_the_api_rate_limit_of_each_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["node", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default: 200 in queue mode (Karpenter's), 10 in IMDS mode" in help_text
+    assert "default: 300 in queue mode (Karpenter's), 20 in IMDS mode" in help_text
+    assert "default: the in-cluster service account, else ~/.kube/config" in help_text
+
+
+def test_an_error_after_a_global_option_names_the_subcommand_from_the_real_command_line(tmp_path: Path) -> None:
+    argv = [str(Path(sys.executable).with_name("spotdrain")), "--log-format", "console", "node", *QUEUE[:2]]
+    env = {key: value for key, value in os.environ.items() if key not in ("AWS_REGION", "SPOTDRAIN_AWS_REGION")}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stderr.startswith("spotdrain node: error: --queue-url needs --aws-region"), done.stderr
+
+
+def test_an_error_in_a_variable_read_before_parsing_names_the_subcommand(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTDRAIN_API_TIMEOUT", "never")
+    assert main(["--log-level", "debug", "node", "--node-name", "gpu-1"]) == 2
+    assert capsys.readouterr().err.startswith("spotdrain node: error: SPOTDRAIN_API_TIMEOUT='never'")

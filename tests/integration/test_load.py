@@ -1,0 +1,46 @@
+"""The simulation's load generator against a router on 127.0.0.1: what it counts as a stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from simulate.fakes.processes import free_port
+from simulate.load import Load
+from simulate.router import POD_HEADER
+from simulate.timeline import Kind, Outcome, Recorder
+
+
+async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() -> None:
+    """Behind a router that routes three requests and then has no pod in rotation, as the simulation's does."""
+    routed = [0]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        if routed[0] == 3:
+            return web.Response(status=503, text="no pod in rotation")
+        routed[0] += 1
+        response = web.StreamResponse(headers={POD_HEADER: "vllm-0"})
+        await response.prepare(request)
+        wanted = (await request.json())["max_tokens"]
+        for _ in range(wanted):
+            await response.write(b'data: {"choices":[{"text":" t"}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    recorder = Recorder(asyncio.get_running_loop().time)
+    try:
+        await Load(f"http://127.0.0.1:{port}", recorder, slots=2, length_s=lambda _: 0.1, tokens_per_s=20).run()
+    finally:
+        await runner.cleanup()
+    streams = sorted(r.id for r in recorder.streams if r.outcome is not Outcome.REFUSED)
+    refusals = sorted(r.id for r in recorder.streams if r.outcome is Outcome.REFUSED)
+    assert (streams, refusals) == ([1, 2, 3], [1, 2])
+    subjects = {e.subject for e in recorder.events if e.kind is Kind.REFUSED}
+    assert subjects == {"new request"}
