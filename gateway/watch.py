@@ -46,6 +46,10 @@ class WatchFailed(Exception):
     """The watch answered an error (a Status that is not a 410), or what is not a watch."""
 
 
+class Silent(Exception):
+    """A watch that had started sent nothing for longer than the server would have kept it open: a dead connection."""
+
+
 @dataclass
 class Known:
     """The collection as last seen: objects by (namespace, name), and the version to resume from (None: list)."""
@@ -142,7 +146,7 @@ async def follow(
             log.info("watch.expired", path=path, error=str(error))
             known.version = None  # list again: at once, unless the version a list just gave is already too old
             failures = failures + 1 if listed else 0
-        except aiohttp.ServerTimeoutError:
+        except Silent:
             log.warning("watch.silent", path=path, silence_s=timeouts.silence_s, version=known.version)
             failures = 0  # a dead connection: watch again from the last version, at once
         except (aiohttp.ClientError, TimeoutError, OSError, WatchFailed) as error:
@@ -196,11 +200,14 @@ async def _watch(
         if response.status != 200:
             raise WatchFailed(f"HTTP {response.status} watching {path}")
         buffer = bytearray()
-        async for data in response.content.iter_any():
-            changed = False
-            for line in split_lines(buffer, data):
-                changed |= known.apply(parse_event(line))
-                delivered = True
-            if changed:
-                on_change(list(known.objects.values()))
+        try:
+            async for data in response.content.iter_any():
+                changed = False
+                for line in split_lines(buffer, data):
+                    changed |= known.apply(parse_event(line))
+                    delivered = True
+                if changed:
+                    on_change(list(known.objects.values()))
+        except aiohttp.ServerTimeoutError as error:  # sock_read: no byte for silence_s
+            raise Silent(str(error)) from None
     return delivered

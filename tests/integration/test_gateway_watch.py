@@ -143,9 +143,10 @@ async def test_a_watch_ended_by_its_timeout_resumes_at_once_from_its_bookmark(tm
     assert len(slice_calls(kube, watch=False)) == 1
 
 
-@pytest.mark.parametrize("fault", ["status", "garbage", "drop"])
+@pytest.mark.parametrize("fault", ["status", "garbage", "drop", "hang"])
 async def test_a_failing_watch_keeps_what_is_known_and_comes_back(kube: FakeKube, tmp_path: Path, fault: str) -> None:
-    async with following(kube, tmp_path) as snapshots:
+    quick = WatchTimeouts(request_s=5, watch_s=30, silence_s=0.5)  # a hung watch request gives up after this
+    async with following(kube, tmp_path, timeouts=quick) as snapshots:
         await snapshots.next()
         await watching(kube)
         kube.faults.inject(fault, "GET", "endpointslices", count=2, status=500)
