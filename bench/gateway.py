@@ -1,8 +1,9 @@
-"""The gateway as a real process, in front of real backend processes, measured from a client in this process.
+"""The gateway as a real process, in front of real backend processes, measured from clients in other processes.
 
 - Added latency per chunk: each chunk's text is the monotonic time its backend wrote it (bench/sse_source.py), so
   the client knows each chunk's delivery time; the figure is the gateway's percentile less the direct one, at 1 and
-  at 500 concurrent streams (target p99 under 1 ms), with direct probe streams measured at the same time. The 500
+  at 500 concurrent streams (target p99 under 1 ms), with direct probe streams measured at the same time, by the
+  same client processes (bench/stream_client.py: not this one, whose loop would queue every chunk it reads). The 500
   streams start spread over one chunk interval, as streams spread over several replicas are; streams in lockstep
   (one engine's batch) reach the gateway as one burst it relays one chunk after another.
 - Chunks relayed per second per core: backends writing as fast as they can; chunks received over the gateway
@@ -15,8 +16,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -103,24 +106,41 @@ async def streams(port: int, count: int, body: dict[str, Any], *, spread_s: floa
         return list(await asyncio.gather(*(one(session, index) for index in range(count))))
 
 
-def delivery_ms(results: list[Streamed]) -> list[float]:
-    return [
-        (arrived - int(chunk["choices"][0]["text"]) / 1e9) * 1000
-        for streamed in results
-        for chunk, arrived in zip(streamed.chunks, streamed.arrivals, strict=True)
-    ]
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def added_latency(workdir: Path, *, count: int, chunks: int, interval_s: float, rounds: int) -> list[Result]:
+async def client_processes(
+    targets: list[tuple[str, int]], body: dict[str, Any], *, spread_s: float, workers: int
+) -> dict[str, list[float]]:
+    """The streams shared among ``workers`` client processes (bench/stream_client.py), each reading its part of
+    every target, so a direct stream and a gateway stream always share one client's conditions."""
+    shares = [[(url, count // workers + (w < count % workers)) for url, count in targets] for w in range(workers)]
+    specs = [json.dumps({"targets": share, "body": body, "spread_s": spread_s}) for share in shares]
+    children = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.stream_client", spec, stdout=asyncio.subprocess.PIPE
+        )
+        for spec in specs
+    ]
+    merged: dict[str, list[float]] = {url: [] for url, _ in targets}
+    for child in children:
+        out, _ = await child.communicate()
+        if child.returncode != 0:
+            raise RuntimeError(f"a benchmark client failed with {child.returncode}")
+        for url, values in json.loads(out).items():
+            merged[url] += values
+    return merged
+
+
+async def added_latency(
+    workdir: Path, *, count: int, chunks: int, interval_s: float, rounds: int, workers: int
+) -> list[Result]:
     """``count`` streams through the gateway and, at the same time, direct probe streams to the same backend.
 
-    Measured in the same window, both see the same machine load (this is a shared 2-core machine), so the
-    difference of their percentiles is the gateway's share.
+    Measured in the same window, by the same client processes, both see the same machine load (this is a shared
+    2-core machine), so the difference of their percentiles is the gateway's share.
     """
     body = {"prompt": "x", "max_tokens": chunks}
     probes = min(count, 50)
@@ -128,20 +148,21 @@ async def added_latency(workdir: Path, *, count: int, chunks: int, interval_s: f
     through: list[float] = []
     load = os.getloadavg()[0]
     async with processes(workdir, source(interval_s)) as running:
+        gateway_url = f"http://127.0.0.1:{running.port}/v1/completions"
+        direct_url = f"http://127.0.0.1:{running.backend_ports[0]}/v1/completions"
         for _ in range(rounds):
-            mine, theirs = await asyncio.gather(
-                streams(running.port, count, body, spread_s=interval_s),
-                streams(running.backend_ports[0], probes, body, spread_s=interval_s),
-            )
-            through += delivery_ms(mine)
-            direct += delivery_ms(theirs)
+            targets = [(gateway_url, count), (direct_url, probes)]
+            got = await client_processes(targets, body, spread_s=interval_s, workers=workers)
+            through += got[gateway_url]
+            direct += got[direct_url]
     results = []
     for q, label in ((0.5, "p50"), (0.99, "p99")):
         added = percentile(through, q) - percentile(direct, q)
         detail = (
             f"{count} streams through the gateway and {probes} direct at once, {1 / interval_s:.0f} chunks/s per "
-            f"stream, {rounds} rounds; direct {label} {percentile(direct, q):.3f} ms, through the gateway "
-            f"{percentile(through, q):.3f} ms; load average {load:.1f} at start"
+            f"stream, {rounds} rounds, read by {workers} client processes; direct {label} "
+            f"{percentile(direct, q):.3f} ms, through the gateway {percentile(through, q):.3f} ms; load average "
+            f"{load:.1f} at start"
         )
         name = f"gateway_added_latency_{label}_{count}_streams"
         if added < 0:  # the direct streams did worse: noise larger than the effect, not a figure that passes
@@ -219,8 +240,8 @@ async def measure() -> list[Result]:
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="spotdrain-bench-gateway-") as name:
         workdir = Path(name)
-        results += await added_latency(workdir, count=1, chunks=250, interval_s=0.005, rounds=4)
-        results += await added_latency(workdir, count=500, chunks=20, interval_s=0.1, rounds=3)
+        results += await added_latency(workdir, count=1, chunks=250, interval_s=0.005, rounds=4, workers=1)
+        results += await added_latency(workdir, count=500, chunks=20, interval_s=0.1, rounds=3, workers=2)
         results.append(await chunk_rate(workdir))
         results += await memory(workdir)
         results.append(await splice_gap(workdir))

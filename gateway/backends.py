@@ -13,6 +13,7 @@ import aiohttp
 import structlog
 
 from gateway.metrics import GatewayMetrics
+from spotdrain.clock import rfc3339
 
 log = structlog.get_logger()
 
@@ -56,6 +57,7 @@ class Pool:
         self.metrics = metrics
         self.holding: dict[str, set[Mover]] = {}  # backend URL -> the streams it is relaying
         self.leaving: dict[str, datetime] = {}  # backend URL -> its node's termination time
+        self.leaving_changed = asyncio.Event()
         self._picks = itertools.count(1)
         self._publish()
 
@@ -81,6 +83,13 @@ class Pool:
         self.backends = [known.get(url) or Backend(url, f"{url}/health") for url in urls]
         log.info("backends.changed", backends=list(urls))
         self._publish()
+
+    def set_leaving(self, times: dict[str, datetime]) -> None:
+        """Backends whose node has a termination time: they get no new stream, and theirs move before it."""
+        if times != self.leaving:
+            log.info("backends.leaving", backends={url: rfc3339(at) for url, at in sorted(times.items())})
+            self.leaving = times
+            self.leaving_changed.set()
 
     @contextmanager
     def hold(self, backend: Backend, mover: Mover) -> Iterator[None]:

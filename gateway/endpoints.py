@@ -1,24 +1,25 @@
-"""Backends from a Service's EndpointSlices: its ready endpoints, listed again every interval.
+"""Backends from a Service's EndpointSlices: its ready endpoints, and its nodes' termination times, watched.
 
 discovery.k8s.io/v1 (k8s.io/api/discovery/v1/types.go): a Service's slices carry the label
 ``kubernetes.io/service-name``; each slice has ``ports`` (name, port) and ``endpoints`` with ``addresses`` and
 ``conditions.ready``, which follows the pod's Ready condition (so a pod whose sidecar started draining leaves);
-a nil ``ready`` means ready. Listing with plain aiohttp keeps the gateway on the base dependencies.
+a nil ``ready`` means ready. The watches are ``gateway.watch``'s (plain aiohttp, the base dependencies).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Iterator
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
-from urllib.parse import quote
 
 import aiohttp
 import structlog
 
 from gateway.backends import Pool
+from gateway.watch import Obj, WatchTimeouts, follow
 from spotdrain.clock import parse_rfc3339, utcnow
 from spotdrain.kube_rest import InCluster
 
@@ -26,6 +27,9 @@ log = structlog.get_logger()
 
 SERVICE_LABEL = "kubernetes.io/service-name"
 TERMINATION_TIME = "spotdrain.io/termination-time"  # agent.drain.planning's, not imported: the gateway is not the agent
+SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+NODES_PATH = "/api/v1/nodes"
+NodeWatch = Callable[[str, Callable[[list[Obj]], None]], "asyncio.Task[None]"]
 
 
 def _port(slice_: dict[str, Any], wanted: str | None) -> int | None:
@@ -76,36 +80,41 @@ def termination_time(node: Any) -> datetime | None:
         return None
 
 
-async def _get(session: aiohttp.ClientSession, cluster: InCluster, path: str, *, timeout_s: float) -> Any:
-    """One GET of the API; raises aiohttp.ClientError, TimeoutError or ValueError when it fails."""
-    async with session.get(
-        cluster.base_url + path,
-        headers=cluster.headers(),
-        ssl=cluster.ssl_context(),
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-    ) as response:
-        if response.status != 200:
-            raise ValueError(f"HTTP {response.status} for {path}")
-        return json.loads(await response.read())
+class Follower:
+    """The pool kept on the Service's ready endpoints and on their nodes' termination times, as watches report them.
 
+    ``watch_node(name, on_change)`` starts a watch of one node; the follower stops it once no endpoint sits there.
+    """
 
-async def list_slices(
-    session: aiohttp.ClientSession, cluster: InCluster, *, namespace: str, service: str, timeout_s: float
-) -> list[Any]:
-    selector = quote(f"{SERVICE_LABEL}={service}")
-    path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices?labelSelector={selector}"
-    items = (await _get(session, cluster, path, timeout_s=timeout_s)).get("items")
-    return items if isinstance(items, list) else []
+    def __init__(self, pool: Pool, *, port: str | None, watch_node: NodeWatch) -> None:
+        self.pool = pool
+        self.port = port
+        self._watch_node = watch_node
+        self.nodes: dict[str, str] = {}  # backend URL -> its node
+        self.times: dict[str, datetime] = {}  # node -> its termination time
+        self.watching: dict[str, asyncio.Task[None]] = {}
 
+    def slices(self, items: list[Obj]) -> None:
+        self.pool.follow(ready_urls(items, port=self.port))
+        self.nodes = nodes_of(items, port=self.port)
+        wanted = set(self.nodes.values())
+        for name in sorted(set(self.watching) - wanted):
+            self.watching.pop(name).cancel()
+            self.times.pop(name, None)
+        for name in sorted(wanted - set(self.watching)):
+            self.watching[name] = self._watch_node(name, functools.partial(self.node, name))
+        self._publish()
 
-async def deadlines(
-    session: aiohttp.ClientSession, cluster: InCluster, nodes: dict[str, str], *, timeout_s: float
-) -> dict[str, datetime]:
-    """Backend URL -> its node's termination time, for the nodes that have one (needs ``get`` on nodes)."""
-    times: dict[str, datetime | None] = {}
-    for name in set(nodes.values()):
-        times[name] = termination_time(await _get(session, cluster, f"/api/v1/nodes/{name}", timeout_s=timeout_s))
-    return {url: at for url, node in nodes.items() if (at := times.get(node)) is not None}
+    def node(self, name: str, items: list[Obj]) -> None:
+        at = next((at for item in items if (at := termination_time(item)) is not None), None)
+        if at is None:
+            self.times.pop(name, None)
+        else:
+            self.times[name] = at
+        self._publish()
+
+    def _publish(self) -> None:
+        self.pool.set_leaving({url: at for url, node in self.nodes.items() if (at := self.times.get(node)) is not None})
 
 
 async def endpoint_follower(
@@ -116,28 +125,41 @@ async def endpoint_follower(
     namespace: str,
     service: str,
     port: str | None,
-    interval_s: float,
-    timeout_s: float,
+    timeouts: WatchTimeouts,
 ) -> None:
-    """Keeps the pool on the Service's ready endpoints, and on their nodes' termination times, read every interval;
-    runs until cancelled. A failed read keeps what was last known (a blip of the API server must not empty it)."""
-    while True:
-        try:
-            slices = await list_slices(session, cluster, namespace=namespace, service=service, timeout_s=timeout_s)
-            pool.follow(ready_urls(slices, port=port))
-            pool.leaving = await deadlines(session, cluster, nodes_of(slices, port=port), timeout_s=timeout_s)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as error:
-            log.warning("endpoints.read_failed", service=f"{namespace}/{service}", error=str(error))
-        await asyncio.sleep(interval_s)
+    """Keeps the pool on the Service's ready endpoints, from a watch of its EndpointSlices, and on the termination
+    times of their nodes, from a watch of each node (``fieldSelector=metadata.name=...``); runs until cancelled. A
+    failed watch keeps what was last known (a blip of the API server must not empty the pool)."""
+    async with asyncio.TaskGroup() as group:
+
+        def watch_node(name: str, on_change: Callable[[list[Obj]], None]) -> asyncio.Task[None]:
+            query = {"fieldSelector": f"metadata.name={name}"}
+            return group.create_task(
+                follow(session, cluster, NODES_PATH, query=query, on_change=on_change, timeouts=timeouts)
+            )
+
+        follower = Follower(pool, port=port, watch_node=watch_node)
+        await follow(
+            session,
+            cluster,
+            SLICES_PATH.format(namespace=namespace),
+            query={"labelSelector": f"{SERVICE_LABEL}={service}"},
+            on_change=follower.slices,
+            timeouts=timeouts,
+        )
 
 
 async def migrator(pool: Pool, *, margin_s: float, interval_s: float) -> None:
     """Moves each stream off a backend whose node's termination time is within ``margin_s``, before the node goes
-    and cuts it; runs until cancelled. The moved stream continues elsewhere at once (cause ``proactive``)."""
+    and cuts it; runs until cancelled. It looks again when a termination time arrives, and every ``interval_s``
+    as the clock nears one. The moved stream continues elsewhere at once (cause ``proactive``)."""
     while True:
+        pool.leaving_changed.clear()
         due = pool.due(utcnow(), margin_s=margin_s)
         for url in sorted({url for url, _ in due}):
             log.info("gateway.moving", backend=url, streams=sum(u == url for u, _ in due))
         for _, mover in due:
             mover.move()
-        await asyncio.sleep(interval_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await pool.leaving_changed.wait()

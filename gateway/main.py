@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -17,6 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import api_app
 from gateway.settings import GatewaySettings, from_arguments
 from gateway.streaming import Gateway
+from gateway.watch import WatchTimeouts
 from spotdrain.kube_rest import InCluster
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import probe_app, serve
@@ -91,8 +93,11 @@ def _follower(session: aiohttp.ClientSession, pool: Pool, settings: GatewaySetti
         namespace=service.namespace,
         service=service.name,
         port=service.port,
-        interval_s=settings.timeouts.health_interval_s,
-        timeout_s=settings.timeouts.connect_s,
+        timeouts=WatchTimeouts(
+            request_s=settings.timeouts.connect_s,
+            watch_s=math.ceil(service.watch_timeout_s),
+            silence_s=service.watch_silence_s,
+        ),
     )
 
 

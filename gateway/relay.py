@@ -7,6 +7,8 @@ Every await is bounded: connecting by ``connect_s``, each read from the backend 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +51,11 @@ def forwarded(headers: Mapping[str, str]) -> CIMultiDict[str]:
 
 # asyncio's default high-water mark for a transport's write buffer; aiohttp awaits a drain only above it.
 _UNBLOCKED_BYTES = 64 * 1024
+# What the kernel may hold of a client's stream that it has not sent yet. Without a bound, Linux grows a socket's
+# send buffer to tcp_wmem's maximum (4 MB) for a client that stopped reading, so the write timeout starts only once
+# that is full: minutes of a backend's tokens, at streaming rates. Bytes in flight are not counted, so a client far
+# away still gets its full window (TCP_NOTSENT_LOWAT, Linux 3.12).
+_KERNEL_UNSENT_BYTES = 16 * 1024
 
 
 class ClientGone(Exception):
@@ -81,6 +88,7 @@ class ClientStream:
 
     async def start(self, headers: Mapping[str, str]) -> None:
         if self.response is None:
+            _bound_unsent(self.request.transport)
             response = web.StreamResponse(status=200, headers=forwarded(headers))
             await self._bounded(response.prepare(self.request))
             self.response = response
@@ -112,6 +120,14 @@ class ClientStream:
                 await call
         except (ConnectionError, TimeoutError) as error:
             raise ClientGone(str(error)) from None
+
+
+def _bound_unsent(transport: asyncio.BaseTransport | None) -> None:
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if sock is not None and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, option, _KERNEL_UNSENT_BYTES)
 
 
 async def relay(

@@ -39,12 +39,22 @@ class TimeoutSettings:
     health_interval_s: float
 
 
+# A watch silent this much longer than the timeoutSeconds it asked for is dead: the server would have ended it.
+WATCH_GRACE_S = 5.0
+
+
 @dataclass(frozen=True)
 class ServiceSettings:
     namespace: str
     name: str
     port: str | None  # a port name or number of the slices; None: the first
     serviceaccount_dir: Path
+    watch_timeout_s: float  # each watch asks the API server to end it after this (timeoutSeconds), then resumes
+
+    @property
+    def watch_silence_s(self) -> float:
+        """No byte from a watch for this long: it is restarted from its last resourceVersion."""
+        return self.watch_timeout_s + WATCH_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--serviceaccount-dir",
         convert=Path,
         default=Path(SERVICEACCOUNT_DIR),
-        help="service account token and CA, to list EndpointSlices",
+        help="service account token and CA, to watch EndpointSlices and nodes",
+    )
+    add_flag(
+        parser,
+        "--watch-timeout",
+        convert=seconds,
+        default=30.0,
+        help="with --service: seconds each watch asks the API server to run (timeoutSeconds) before it resumes",
     )
     add_flag(parser, "--host", default="0.0.0.0", help="address for the API and /metrics")
     add_flag(parser, "--port", convert=port, default=8000, help="port of the OpenAI-compatible API")
@@ -138,7 +155,8 @@ def _service(args: argparse.Namespace) -> ServiceSettings | None:
         return None
     namespace, _, name = str(args.service).partition("/")
     require(bool(namespace) and bool(name) and "/" not in name, f"--service {args.service!r} is not NAMESPACE/NAME")
-    return ServiceSettings(namespace, name, args.service_port, args.serviceaccount_dir)
+    require(args.watch_timeout >= 1, "--watch-timeout must be at least 1 second")
+    return ServiceSettings(namespace, name, args.service_port, args.serviceaccount_dir, args.watch_timeout)
 
 
 def from_arguments(args: argparse.Namespace) -> GatewaySettings:

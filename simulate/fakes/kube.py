@@ -2,10 +2,11 @@
 
 HTTPS with its own CA and a bearer token; clients connect through ``write_kubeconfig`` or ``serviceaccount_dir``.
 It serves nodes, pods (with ``/status`` and ``/eviction``), core and events.k8s.io events and policy/v1
-PodDisruptionBudgets: get, list with label and field selectors, create, replace, the three patch types, and graceful
-pod deletion that it finishes after the grace period, as a kubelet would. Watches are not served. Tests steer it with
-``latency_s``, ``fail_next``, ``on_delete`` and ``faults`` (hung requests, dropped connections, answers that are not
-JSON: see ``simulate.fakes.faults``), and read what clients asked in ``calls``. ``token`` may do anything;
+PodDisruptionBudgets: get, list with label and field selectors, watch (``simulate.fakes.kube_watch``), create, replace,
+the three patch types, and graceful pod deletion that it finishes after the grace period, as a kubelet would. Tests
+steer it with ``latency_s``, ``fail_next``, ``on_delete``, ``faults`` (hung requests, dropped connections, answers
+that are not JSON: see ``simulate.fakes.faults``) and ``watches`` (``drop()``, ``silence()``), and read what clients
+asked in ``calls``. ``token`` may do anything;
 ``issue_token`` makes tokens that may not do some things (403), and any other token is refused (401).
 """
 
@@ -31,8 +32,9 @@ from simulate.fakes import kube_objects
 from simulate.fakes.faults import Faults
 from simulate.fakes.kube_api import Api, DeleteHook, Deletion
 from simulate.fakes.kube_auth import Accounts
-from simulate.fakes.kube_select import KubeError, Obj, bad_request
+from simulate.fakes.kube_select import KubeError, Obj, bad_request, flag
 from simulate.fakes.kube_store import ENDPOINT_SLICES, EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store, route
+from simulate.fakes.kube_watch import BOOKMARK_EVERY_S, Watches
 from simulate.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
 from spotdrain.clock import utcnow
 
@@ -83,12 +85,14 @@ class FakeKube:
         port: int = 0,
         tls_dir: Path | None = None,
         now: Callable[[], datetime] = utcnow,
+        bookmark_every_s: float = BOOKMARK_EVERY_S,
     ) -> None:
         self.token = token or secrets.token_urlsafe(32)
         self.accounts = Accounts(self.token)
         self.latency_s = latency_s  # added to every call
         self.store = Store(now=now)
         self.api = Api(self.store, now=now)
+        self.watches = Watches(self.store, show=self.api.shown, bookmark_every_s=bookmark_every_s)
         self.calls: list[Call] = []
         self._now = now
         self._port = port
@@ -120,6 +124,7 @@ class FakeKube:
     async def stop(self) -> None:
         """Stop serving, cancel pending pod removals and running deletion hooks, end hung requests."""
         self.faults.release()
+        self.watches.close()
         await self.api.close()
         if self._runner is not None:
             await asyncio.shield(self._runner.cleanup())
@@ -361,7 +366,7 @@ class FakeKube:
 
     # Serving ---------------------------------------------------------------------------------------------------------
 
-    async def _handle(self, request: web.Request) -> web.Response:
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         target = route(request.path)
@@ -373,6 +378,8 @@ class FakeKube:
             if target is None:
                 raise KubeError(404, "NotFound", "the server could not find the requested resource")
             self.accounts.authorize(account, request.method, target, request.query)
+            if request.method == "GET" and target.name is None and flag(request.query, "watch"):
+                return await self.watches.serve(request, target, request.query)
             body = await _body(request) if request.method in ("POST", "PUT", "PATCH", "DELETE") else None
             status, answer = self.api.serve(
                 request.method, target, query=request.query, content_type=request.content_type, body=body

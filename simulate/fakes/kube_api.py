@@ -97,8 +97,6 @@ class Api:
         return self.store.get(target.resource, target.namespace, target.name or "")
 
     def _list(self, target: Target, query: Mapping[str, str]) -> Obj:
-        if query.get("watch") in ("true", "1"):
-            raise bad_request("watch is not served by this fake API server")
         resource = target.resource
         items = selected(
             self.store.items(resource, target.namespace),

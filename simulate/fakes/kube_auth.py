@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from simulate.fakes.kube_select import KubeError
+from simulate.fakes.kube_select import KubeError, flag
 from simulate.fakes.kube_store import Target
 
 ADMIN = "kubernetes-admin"
@@ -32,7 +32,7 @@ def verb(method: str, target: Target, query: Mapping[str, str]) -> str:
     if method == "GET":
         if target.name is not None:
             return "get"
-        return "watch" if query.get("watch") in ("true", "1") else "list"
+        return "watch" if flag(query, "watch") else "list"
     if method == "DELETE":
         return "delete" if target.name is not None else "deletecollection"
     return _VERBS.get(method, method.lower())

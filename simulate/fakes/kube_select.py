@@ -35,6 +35,14 @@ def bad_request(message: str) -> KubeError:
     return KubeError(400, "BadRequest", message)
 
 
+# The API server reads boolean query parameters with Go's strconv.ParseBool (kubernetes-asyncio sends "True").
+_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+
+
+def flag(query: Mapping[str, str], name: str) -> bool:
+    return query.get(name, "") in _TRUE
+
+
 _TOKEN = re.compile(r"\s*(!=|==|=|!|\(|\)|,|<|>|[^\s!=(),<>]+)")
 _NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _KEY = re.compile(rf"([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_NAME}")

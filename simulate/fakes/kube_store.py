@@ -1,14 +1,16 @@
 """The fake Kubernetes API's resources and objects: the resource table, API paths, the store.
 
-The store keeps objects as plain dicts and stamps every write with the next ``resourceVersion``; ``confine`` applies
-the update strategies (status only through ``/status``, identity fields never change); disruption budgets are
-``kube_budget``. Nothing here does I/O, and the clock is passed in.
+The store keeps objects as plain dicts and stamps every write with the next ``resourceVersion``; it keeps the recent
+changes, as the API server's watch cache does, for watches to replay (``kube_watch``); ``confine`` applies the update
+strategies (status only through ``/status``, identity fields never change); disruption budgets are ``kube_budget``.
+Nothing here does I/O, and the clock is passed in.
 """
 
 from __future__ import annotations
 
 import copy
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -181,13 +183,32 @@ def conflict(resource: Resource, name: str) -> KubeError:
     return KubeError(409, "Conflict", message, details=details)
 
 
-class Store:
-    """Objects as plain dicts, each write stamped with the next ``resourceVersion``; callers get copies."""
+@dataclass(frozen=True)
+class Change:
+    """One write, as etcd's watch reports it: ``obj`` as written (for DELETED, as it was, with the deletion's
+    ``resourceVersion``) and ``previous``, the object before it (None for ADDED)."""
 
-    def __init__(self, *, now: Callable[[], datetime]) -> None:
+    revision: int
+    resource: Resource
+    type: str  # ADDED, MODIFIED, DELETED
+    obj: Obj
+    previous: Obj | None
+
+
+class Store:
+    """Objects as plain dicts, each write stamped with the next ``resourceVersion``; callers get copies.
+
+    The last ``history`` changes are kept, oldest first, and each is handed to every ``listeners`` callable as it
+    happens. A deletion takes a revision too, as in etcd. ``compact()`` forgets them, as etcd compaction and the
+    watch cache's bounded window do.
+    """
+
+    def __init__(self, *, now: Callable[[], datetime], history: int = 1000) -> None:
         self._objects: dict[tuple[str, str, str, str], Obj] = {}
         self._now = now
         self.revision = 1000
+        self.changes: deque[Change] = deque(maxlen=history)
+        self.listeners: list[Callable[[Change], None]] = []
 
     def find(self, resource: Resource, namespace: str | None, name: str) -> Obj | None:
         found = self._objects.get(self._key(resource, namespace, name))
@@ -234,13 +255,34 @@ class Store:
         return self._write(resource, copy.deepcopy(obj))
 
     def remove(self, resource: Resource, namespace: str | None, name: str) -> Obj | None:
-        return self._objects.pop(self._key(resource, namespace, name), None)
+        removed = self._objects.pop(self._key(resource, namespace, name), None)
+        if removed is not None:
+            self.revision += 1
+            gone = copy.deepcopy(removed)
+            gone["metadata"]["resourceVersion"] = str(self.revision)
+            self._record(Change(self.revision, resource, "DELETED", gone, removed))
+        return removed
+
+    def oldest(self) -> int:
+        """The first revision a watch can still replay from history; an older one is "too old" (410)."""
+        return self.changes[0].revision if self.changes else self.revision + 1
+
+    def compact(self) -> None:
+        self.changes.clear()
 
     def _write(self, resource: Resource, obj: Obj) -> Obj:
         self.revision += 1
         obj["metadata"]["resourceVersion"] = str(self.revision)
-        self._objects[self._key(resource, obj["metadata"].get("namespace"), obj["metadata"]["name"])] = obj
+        key = self._key(resource, obj["metadata"].get("namespace"), obj["metadata"]["name"])
+        previous = self._objects.get(key)
+        self._objects[key] = obj
+        self._record(Change(self.revision, resource, "ADDED" if previous is None else "MODIFIED", obj, previous))
         return copy.deepcopy(obj)
+
+    def _record(self, change: Change) -> None:
+        self.changes.append(change)
+        for listener in self.listeners:
+            listener(change)
 
     @staticmethod
     def _key(resource: Resource, namespace: str | None, name: str) -> tuple[str, str, str, str]:

@@ -106,14 +106,20 @@ def test_inference_pods_may_patch_their_status_and_nothing_else(directory: str) 
         assert granted == {("", "pods/status", "patch", template.namespace)}, template.name
 
 
-def test_the_gateway_may_list_its_services_endpointslices_and_read_nodes_and_nothing_else() -> None:
+def test_the_gateway_may_watch_its_services_endpointslices_and_nodes_and_nothing_else() -> None:
     source = (ROOT / "gateway" / "endpoints.py").read_text()
-    assert "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices?" in source
-    assert "/api/v1/nodes/{name}" in source
+    assert '"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"' in source
+    assert '"/api/v1/nodes"' in source
+    assert '"watch": "true"' in (ROOT / "gateway" / "watch.py").read_text()  # after a list of the same collection
     objects = render("deploy/gateway")
     [template] = pod_templates(objects)
     granted = grants(objects, str(template.namespace), template.spec["serviceAccountName"])
-    assert granted == {("discovery.k8s.io", "endpointslices", "list", "inference"), ("", "nodes", "get", None)}
+    assert granted == {
+        ("discovery.k8s.io", "endpointslices", "list", "inference"),
+        ("discovery.k8s.io", "endpointslices", "watch", "inference"),
+        ("", "nodes", "list", None),
+        ("", "nodes", "watch", None),
+    }
     args = template.containers[0]["args"]
     assert "--service=inference/vllm" in args  # the Service of deploy/vllm, in the namespace the Role covers
 

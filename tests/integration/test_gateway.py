@@ -395,7 +395,9 @@ async def test_with_a_service_the_backends_are_its_ready_endpoints(
             monkeypatch.setenv(name, value)
         account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
         kube.set_endpoints("ml", "vllm", [("127.0.0.1", first, True), ("127.0.0.1", second, True)])
-        flags = ("--service", "ml/vllm", "--serviceaccount-dir", str(account), "--service-port", "http")
+        # Health checks and the old polling every 60 s: only a watch brings the readiness flip in time.
+        flags: tuple[str, ...] = ("--service", "ml/vllm", "--serviceaccount-dir", str(account))
+        flags = (*flags, "--service-port", "http", "--health-interval", "60")
         async with gateway(flags=flags) as gw, aiohttp.ClientSession() as session:
             await until_metric(gw, "spotdrain_gateway_backends_ready", 2)
             want = await reference(*COMPLETION)
@@ -431,7 +433,9 @@ async def test_a_stream_moves_off_a_backend_before_its_nodes_termination_time(
         account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
         nodes = ("gpu-1", "gpu-2")
         kube.set_endpoints("ml", "vllm", [("127.0.0.1", first, True), ("127.0.0.1", second, False)], nodes=nodes)
-        flags = ("--service", "ml/vllm", "--serviceaccount-dir", str(account), "--migration-margin", "10")
+        flags: tuple[str, ...] = ("--service", "ml/vllm", "--serviceaccount-dir", str(account))
+        # The annotation must come through the node's watch: nothing is polled within 60 s.
+        flags = (*flags, "--migration-margin", "10", "--health-interval", "60")
         async with gateway(flags=flags) as gw, aiohttp.ClientSession() as session:
             await until_metric(gw, "spotdrain_gateway_backends_ready", 1)
             running = asyncio.create_task(read_stream(gw.url(path), body, session=session))
