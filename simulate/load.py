@@ -10,19 +10,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 
-from simulate.router import POD_HEADER
+from simulate.router import POD_HEADER, REQUEST_HEADER
 from simulate.timeline import Outcome, Recorder, StreamRecord
 
 Length = Callable[[int], float]  # slot -> seconds the next stream of that slot lasts
+Hops = Mapping[str, Sequence[tuple[float, str]]]  # the router's record: request name -> (when, pod) per routing
 
 
 class Load:
-    def __init__(self, url: str, recorder: Recorder, *, slots: int, length_s: Length, tokens_per_s: float) -> None:
+    def __init__(
+        self, url: str, recorder: Recorder, *, slots: int, length_s: Length, tokens_per_s: float, hops: Hops
+    ) -> None:
         self.url = url
+        self.hops = hops
         self.recorder = recorder
         self.slots = slots
         self.length_s = length_s
@@ -30,9 +34,12 @@ class Load:
         # Streams are numbered as they are routed, refused requests apart: a refusal is no stream that failed.
         self._stream_ids = itertools.count(1)
         self._refusal_ids = itertools.count(1)
+        self._names = itertools.count(1)
+        self.stopping = asyncio.Event()  # set: no slot opens another stream; the open ones run to their end
 
     async def run(self) -> None:
-        """Runs every slot; returns once each has been refused (or raises CancelledError when cancelled)."""
+        """Runs every slot; returns once each has been refused or, after ``stopping``, has seen its last stream end
+        (or raises CancelledError when cancelled)."""
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, asyncio.TaskGroup() as group:
@@ -40,7 +47,7 @@ class Load:
                 group.create_task(self._slot(session, slot), name=f"load-slot-{slot}")
 
     async def _slot(self, session: aiohttp.ClientSession, slot: int) -> None:
-        while True:
+        while not self.stopping.is_set():
             record = await self._one(session, slot)
             self.recorder.stream(record)
             if record.outcome is Outcome.REFUSED:
@@ -54,8 +61,11 @@ class Load:
         received = 0
         done = False
         body = {"prompt": f"slot {slot}", "max_tokens": wanted, "stream": True}
+        name = str(next(self._names))
         try:
-            async with session.post(f"{self.url}/v1/completions", json=body) as response:
+            async with session.post(
+                f"{self.url}/v1/completions", json=body, headers={REQUEST_HEADER: name}
+            ) as response:
                 if response.status != 200:  # 503 from the router: no pod in rotation
                     refusal = next(self._refusal_ids)
                     return StreamRecord(refusal, slot, None, started, self.recorder.now(), wanted, 0, Outcome.REFUSED)
@@ -69,7 +79,11 @@ class Load:
             pass  # the stream broke off: whatever arrived is all there is
         outcome = Outcome.COMPLETED if done and received == wanted else Outcome.CUT
         stream_id = stream_id or next(self._stream_ids)  # it broke off before any answer: a stream cut, as before
-        return StreamRecord(stream_id, slot, pod, started, self.recorder.now(), wanted, received, outcome)
+        # Through the gateway a continued stream is routed again, under the same name: where it moved, and when.
+        routed = list(self.hops.get(name, ()))
+        moves = tuple((at, to) for (_, before), (at, to) in itertools.pairwise(routed) if to != before)
+        ended = self.recorder.now()
+        return StreamRecord(stream_id, slot, pod, started, ended, wanted, received, outcome, moves=moves)
 
 
 def parse_line(raw: bytes) -> tuple[int, bool]:

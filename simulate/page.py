@@ -41,6 +41,7 @@ tspan.notice { fill: #1a73e8; } tspan.node { fill: #9334e6; } tspan.agent { fill
 tspan.deadline { fill: #1d2330; }
 .evict { fill: #1d2330; } .refusal { stroke: #d93025; stroke-width: 1.5; } .exit { fill: #1d2330; }
 .reclaimed { fill: none; stroke: #1d2330; stroke-width: 2; }
+.splice { stroke: #1d2330; stroke-width: 2; }
 table.events td { padding: 0 1em 0 0; vertical-align: top; } .legend span { margin-right: 1.5em; white-space: nowrap; }
 .swatch { display: inline-block; width: 1em; height: .8em; margin-right: .3em; vertical-align: middle; }
 .line { display: inline-block; width: 1.2em; height: 0; margin-right: .3em; vertical-align: middle; }
@@ -118,17 +119,30 @@ def _mark(event: Event, x: float, y: float) -> str:
 
 
 def _stream_lane(stream: StreamRecord, scale: Scale, *, y: float) -> str:
-    label = f"#{stream.id} {stream.pod}"
-    title = (
-        f"stream {stream.id} on {stream.pod}: {stream.outcome.value}, {stream.received}/{stream.wanted} tokens, "
-        f"{stream.started:.2f}-{stream.ended:.2f} s"
-    )
-    bar = _rect(
-        scale, start=stream.started, end=stream.ended, y=y + 1, h=STREAM_H - 2, cls=stream.outcome.value, title=title
-    )
+    """One lane per stream; a stream the gateway continued changes pod along it, one segment per pod, a tick at each
+    splice."""
+    segments = stream.segments()
+    label = f"#{stream.id} {' → '.join(str(pod) for pod, _, _ in segments)}"
+    tokens = f"{stream.outcome.value}, {stream.received}/{stream.wanted} tokens"
+    parts = [
+        _rect(
+            scale,
+            start=start,
+            end=end,
+            y=y + 1,
+            h=STREAM_H - 2,
+            cls=stream.outcome.value,
+            title=f"stream {stream.id} on {pod}, {start:.2f}-{end:.2f} s: {tokens}",
+        )
+        for pod, start, end in segments
+    ]
+    parts += [
+        f'<line class="splice" x1="{scale.x(at)}" x2="{scale.x(at)}" y1="{y}" y2="{y + STREAM_H}"/>'
+        for at, _ in stream.moves
+    ]
     return (
         f'<g class="lane stream" data-stream="{stream.id}">'
-        f'<text x="4" y="{y + STREAM_H - 2}" font-size="9">{_e(label)}</text>{bar}</g>'
+        f'<text x="4" y="{y + STREAM_H - 2}" font-size="9">{_e(label)}</text>{"".join(parts)}</g>'
     )
 
 
@@ -224,6 +238,7 @@ LEGEND = "".join(
         ),
         "<span>&#9660; eviction</span><span>&#10005; eviction refused (429)</span>",
         "<span>&#9632; engine exit</span><span>&#8855; lost with the instance</span>",
+        "<span>| stream continued on another pod (gateway)</span>",
     ]
 )
 

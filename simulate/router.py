@@ -21,6 +21,9 @@ from simulate.timeline import Kind, Recorder
 log = structlog.get_logger()
 
 POD_HEADER = "X-Spotdrain-Pod"
+# The load generator names each request; the gateway passes the header on, so a continuation reaches the router
+# under the same name and the pods a stream went through can be told (``Router.hops``).
+REQUEST_HEADER = "X-Spotdrain-Request"
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Router:
         self.rerouted = 0  # routed while another pod had already left rotation
         self.all_ready = asyncio.Event()
         self.first_out = asyncio.Event()
+        self.hops: dict[str, list[tuple[float, str]]] = {}  # request name -> (when, pod) for each time it was routed
         self._session: aiohttp.ClientSession | None = None
 
     def choose(self) -> Backend | None:
@@ -65,6 +69,8 @@ class Router:
             return web.json_response({"error": {"message": "no pod in rotation"}}, status=503)
         self.routed += 1
         self.rerouted += any(b.was_ready and not b.ready for b in self.backends)
+        if (name := request.headers.get(REQUEST_HEADER)) is not None:
+            self.hops.setdefault(name, []).append((self.recorder.now(), backend.name))
         backend.open_streams += 1
         try:
             return await self._relay(request, backend, body)

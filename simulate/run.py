@@ -17,7 +17,7 @@ from typing import Any
 import structlog
 
 from simulate.cluster import NODE, STARTUP_S, Cluster
-from simulate.load import Load
+from simulate.load import Hops, Load
 from simulate.observe import node_watcher
 from simulate.router import Backend, Router
 from simulate.scenarios import SCENARIOS, Check, Scenario, judge, stream_seconds
@@ -128,7 +128,7 @@ async def _play(
         await cluster.start()
         router, router_url = await _route(cluster, recorder, tasks, poll_s=t.router_poll_s)
         tasks.start(node_watcher(lambda: cluster.kube.node(NODE), recorder, name=NODE), "node-watcher")
-        load = _load(settings, scenario, recorder, router_url=router_url)
+        load = _load(settings, scenario, recorder, router_url=router_url, hops=router.hops)
         shape = f"{settings.pods} pods x {settings.streams_per_pod}"
         via = "the gateway and the router" if settings.gateway else "the router"
         recorder.record(Kind.LOAD_STARTED, "load", f"{load.slots} concurrent streams through {via} ({shape})")
@@ -136,7 +136,7 @@ async def _play(
         await asyncio.sleep(t.warmup_s)  # a set time of load before the notice, not a wait for anything
         if scenario.lose_node:
             deadline = await cluster.lose_node()
-            await asyncio.wait([load_task], timeout=SETTLE_S)
+            await _end_load(load, load_task, settings)
             return deadline, Facts(node_patches=cluster.node_patches(), node_events=0, rerouted=router.rerouted)
         deadline = await cluster.deliver_notice()
         deadline_at = recorder.now() + (deadline - utcnow()).total_seconds()
@@ -145,7 +145,7 @@ async def _play(
         await _until_empty(cluster, recorder, deadline_at=deadline_at)
         await _settle(seen.flag(Kind.NODE_DRAINED))
         deleted = await cluster.queue.wait_empty(timeout_s=2 * SETTLE_S) if cluster.queue is not None else None
-        await asyncio.wait([load_task], timeout=SETTLE_S)
+        await _end_load(load, load_task, settings)
         if not recorder.first(Kind.DEADLINE):
             _deadline_ahead(recorder, deadline_at)
         facts = Facts(
@@ -155,6 +155,17 @@ async def _play(
             message_deleted=deleted,
         )
     return deadline, facts
+
+
+async def _end_load(load: Load, task: asyncio.Task[None], settings: SimulationSettings) -> None:
+    """Without the gateway every slot stops at its first refusal, once no pod is left. Through it the other node takes
+    the streams over: no new one opens, and those still open are waited for (the longest lasts twice the notice), so
+    that each continued stream is judged by how it ended, not left out."""
+    if not settings.gateway:
+        await asyncio.wait([task], timeout=SETTLE_S)
+        return
+    load.stopping.set()
+    await asyncio.wait([task], timeout=SETTLE_S + 2 * settings.timings.notice_s)
 
 
 def _deadline_ahead(recorder: Recorder, deadline_at: float) -> None:
@@ -181,7 +192,14 @@ async def _route(cluster: Cluster, recorder: Recorder, tasks: _Tasks, *, poll_s:
     return router, (await cluster.start_gateway(url) if cluster.settings.gateway else url)
 
 
-def _load(settings: SimulationSettings, scenario: Scenario, recorder: Recorder, *, router_url: str) -> Load:
+def _load(
+    settings: SimulationSettings,
+    scenario: Scenario,
+    recorder: Recorder,
+    *,
+    router_url: str,
+    hops: Hops,
+) -> Load:
     rng = random.Random(settings.seed)
     t = settings.timings
 
@@ -191,7 +209,7 @@ def _load(settings: SimulationSettings, scenario: Scenario, recorder: Recorder, 
         )
 
     slots = settings.pods * settings.streams_per_pod
-    return Load(router_url, recorder, slots=slots, length_s=length_s, tokens_per_s=settings.tokens_per_s)
+    return Load(router_url, recorder, slots=slots, length_s=length_s, tokens_per_s=settings.tokens_per_s, hops=hops)
 
 
 async def _until_empty(cluster: Cluster, recorder: Recorder, *, deadline_at: float) -> None:

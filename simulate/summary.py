@@ -106,7 +106,8 @@ def pod_summary(
     mine = [s for s in streams if s.pod == name]
     exited = _first(events, Kind.ENGINE_EXITED, name)
     out_at = _at(_first(events, Kind.OUT_OF_ROTATION, name))
-    last_end = max((s.ended for s in mine), default=None)
+    # A stream the gateway moved off this pod left it at the move, not at its end on another pod.
+    last_end = max((end for s in streams for pod, _, end in s.segments() if pod == name), default=None)
     return PodSummary(
         name=name,
         streams=len(mine),

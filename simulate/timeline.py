@@ -81,6 +81,13 @@ class StreamRecord:
     wanted: int  # tokens asked for
     received: int
     outcome: Outcome
+    moves: tuple[tuple[float, str], ...] = ()  # continued by the gateway: (when, the pod it went on to), in order
+
+    def segments(self) -> list[tuple[str | None, float, float]]:
+        """(pod, from, to) for each pod the stream was on, in order: one, unless the gateway continued it."""
+        pods = [self.pod, *(pod for _, pod in self.moves)]
+        starts = [self.started, *(at for at, _ in self.moves)]
+        return list(zip(pods, starts, [*starts[1:], self.ended], strict=True))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +99,7 @@ class StreamRecord:
             "wanted": self.wanted,
             "received": self.received,
             "outcome": self.outcome.value,
+            "moves": [{"at": round(at, 3), "pod": pod} for at, pod in self.moves],
         }
 
 

@@ -6,6 +6,7 @@ streams each, so the whole file stays well inside a minute and a half on two cor
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from simulate.page import render_html
 from simulate.report import render
 from simulate.run import RunResult, simulate
 from simulate.settings import SimulationSettings, Timings
@@ -70,6 +72,13 @@ async def test_through_the_gateway_the_long_streams_continue_on_the_second_node_
     assert s.cut_reported > 0, "the drained pods still cut their long streams"
     assert s.continued >= s.cut_reported
     assert s.completed == s.started
+    moved = [r for r in result.streams if r.moves]
+    assert moved, "a continued stream is recorded with the pod it moved to"
+    for record in moved:
+        pods = [record.pod, *(pod for _, pod in record.moves)]
+        assert all(a != b for a, b in itertools.pairwise(pods))
+        assert all(record.started <= at <= record.ended for at, _ in record.moves)
+    assert 'class="splice"' in render_html(result)
 
 
 async def test_a_lost_node_cuts_its_open_streams_and_through_the_gateway_none(tmp_path: Path) -> None:

@@ -36,7 +36,8 @@ async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() 
     await web.TCPSite(runner, "127.0.0.1", port).start()
     recorder = Recorder(asyncio.get_running_loop().time)
     try:
-        await Load(f"http://127.0.0.1:{port}", recorder, slots=2, length_s=lambda _: 0.1, tokens_per_s=20).run()
+        load = Load(f"http://127.0.0.1:{port}", recorder, slots=2, length_s=lambda _: 0.1, tokens_per_s=20, hops={})
+        await load.run()
     finally:
         await runner.cleanup()
     streams = sorted(r.id for r in recorder.streams if r.outcome is not Outcome.REFUSED)

@@ -7,6 +7,8 @@ import re
 import xml.dom.minidom
 from xml.dom.minidom import Element, Node, Text
 
+import pytest
+
 from simulate.page import CHAR_W, STYLE, render_html, timeline_svg
 from simulate.timeline import Event, Kind, Outcome, StreamRecord, stream_event
 from tests.unit.test_simulation import PODS, STREAMS, drained_node, ev, result
@@ -128,3 +130,24 @@ def test_refused_requests_are_not_numbered_as_streams() -> None:
     event = stream_event(refused)
     assert (event.kind, event.subject) == (Kind.REFUSED, "new request")
     assert "stream" not in event.text
+
+
+def test_a_stream_the_gateway_continued_is_one_lane_that_changes_pod_at_each_splice() -> None:
+    moved = StreamRecord(5, 1, "vllm-0", 2.0, 14.0, 200, 200, Outcome.COMPLETED, moves=((9.0, "spare-0"),))
+    svg = xml.dom.minidom.parseString(timeline_svg(result([], [*STREAMS, moved]))).documentElement
+    assert svg is not None
+    [lane] = [g for g in svg.getElementsByTagName("g") if g.getAttribute("data-stream") == "5"]
+    segments = [r for r in lane.getElementsByTagName("rect") if r.getAttribute("class") == "completed"]
+    assert [text_of(r).split(",")[0] for r in segments] == ["stream 5 on vllm-0", "stream 5 on spare-0"]
+    first, second = (float(r.getAttribute("x")) for r in segments)
+    assert first + float(segments[0].getAttribute("width")) == pytest.approx(second, abs=0.2)
+    [splice] = lane.getElementsByTagName("line")
+    assert float(splice.getAttribute("x1")) == pytest.approx(second, abs=0.2)
+    assert "vllm-0 → spare-0" in text_of(lane.getElementsByTagName("text")[0])
+
+
+def test_a_stream_that_stayed_on_its_pod_is_one_segment_without_a_splice() -> None:
+    svg = svg_of([])
+    [lane] = [g for g in svg.getElementsByTagName("g") if g.getAttribute("data-stream") == "1"]
+    assert len(lane.getElementsByTagName("rect")) == 1
+    assert lane.getElementsByTagName("line") == []
