@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 from sidecar.engines import sum_samples
 from simulate.fakes.engine import EngineConfig, serve_engine
@@ -37,6 +38,19 @@ async def running_engine(config: EngineConfig) -> AsyncIterator[int]:
     finally:
         stop.set()
         await task
+
+
+@asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[int]:
+    """Serve ``app`` on 127.0.0.1 while the block runs; yields its port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield port
+    finally:
+        await runner.cleanup()
 
 
 async def scrape(url: str, name: str) -> float | None:

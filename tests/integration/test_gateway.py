@@ -19,7 +19,7 @@ from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import free_port
 from simulate.fakes.sse_client import Streamed, read_stream
 from spotdrain.clock import rfc3339, utcnow
-from tests.conftest import scrape
+from tests.conftest import scrape, serving_app
 from tests.gateway_harness import (
     FAST_TOKENS_PER_S,
     Running,
@@ -232,19 +232,13 @@ async def test_headers_pass_through_both_ways() -> None:
     app = web.Application()
     app.router.add_get("/v1/models", echo)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with (
-            gateway(port) as gw,
-            aiohttp.ClientSession() as session,
-            session.get(gw.url("/v1/models"), headers={"Authorization": "Bearer k"}) as response,
-        ):
-            assert response.headers["X-Request-Id"] == "abc"
-    finally:
-        await runner.cleanup()
+    async with (
+        serving_app(app) as port,
+        gateway(port) as gw,
+        aiohttp.ClientSession() as session,
+        session.get(gw.url("/v1/models"), headers={"Authorization": "Bearer k"}) as response,
+    ):
+        assert response.headers["X-Request-Id"] == "abc"
     assert seen == ["Bearer k"]
 
 
@@ -324,27 +318,20 @@ async def test_a_backend_whose_ready_url_fails_gets_no_new_stream_as_a_draining_
 
     app = web.Application()
     app.router.add_get("/ready", ready)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    sidecar_port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", sidecar_port).start()
-    try:
-        async with engines(HEALTHY, HEALTHY) as (first, second):
-            flags: tuple[str, ...] = ("--ready-url", f"http://127.0.0.1:{sidecar_port}/ready")
-            flags += ("--ready-url", f"http://127.0.0.1:{second}/health")
-            async with gateway(first, second, flags=flags) as gw, aiohttp.ClientSession() as session:
-                serving[0] = False  # the first pod's sidecar starts draining
-                for _ in range(100):
-                    if await metric(gw, "spotdrain_gateway_backends_ready") == 1:
-                        break
-                    await asyncio.sleep(0.05)
-                before = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
-                got = await asyncio.gather(
-                    *(read_stream(gw.url(path), body, session=session) for path, body in [COMPLETION] * 4)
-                )
-                after = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as sidecar_port, engines(HEALTHY, HEALTHY) as (first, second):
+        flags: tuple[str, ...] = ("--ready-url", f"http://127.0.0.1:{sidecar_port}/ready")
+        flags += ("--ready-url", f"http://127.0.0.1:{second}/health")
+        async with gateway(first, second, flags=flags) as gw, aiohttp.ClientSession() as session:
+            serving[0] = False  # the first pod's sidecar starts draining
+            for _ in range(100):
+                if await metric(gw, "spotdrain_gateway_backends_ready") == 1:
+                    break
+                await asyncio.sleep(0.05)
+            before = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
+            got = await asyncio.gather(
+                *(read_stream(gw.url(path), body, session=session) for path, body in [COMPLETION] * 4)
+            )
+            after = await scrape(f"http://127.0.0.1:{first}/metrics", "vllm:generation_tokens_total")
     assert [g.done for g in got] == [1] * 4
     assert after == before
 
@@ -373,15 +360,8 @@ async def test_the_only_backend_failing_before_the_stream_gets_the_same_request_
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with gateway(port) as gw, aiohttp.ClientSession() as session:
-            got = await read_stream(gw.url("/v1/completions"), {"prompt": "x"}, session=session)
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as port, gateway(port) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url("/v1/completions"), {"prompt": "x"}, session=session)
     assert (got.text, got.done) == (" ok", 1)
     assert answers[1] - answers[0] >= RETRY_PAUSES_S[0]
     assert bodies[1] == bodies[0]  # nothing was generated yet: the request itself, not a continuation

@@ -6,10 +6,10 @@ import asyncio
 
 from aiohttp import web
 
-from simulate.fakes.processes import free_port
 from simulate.load import Load
 from simulate.router import POD_HEADER
 from simulate.timeline import Kind, Outcome, Recorder
+from tests.conftest import serving_app
 
 
 async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() -> None:
@@ -30,16 +30,10 @@ async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() 
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     recorder = Recorder(asyncio.get_running_loop().time)
-    try:
+    async with serving_app(app) as port:
         load = Load(f"http://127.0.0.1:{port}", recorder, slots=2, length_s=lambda _: 0.1, tokens_per_s=20, hops={})
         await load.run()
-    finally:
-        await runner.cleanup()
     streams = sorted(r.id for r in recorder.streams if r.outcome is not Outcome.REFUSED)
     refusals = sorted(r.id for r in recorder.streams if r.outcome is Outcome.REFUSED)
     assert (streams, refusals) == ([1, 2, 3], [1, 2])

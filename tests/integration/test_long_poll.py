@@ -24,6 +24,7 @@ from sidecar.notices import notice_watcher
 from simulate.fakes.processes import free_port
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import serve
+from tests.conftest import serving_app
 
 GUARD_S = 15.0  # well below the 60 s hold a missed wake-up would cost
 SPOT = b'{"id":"n-9","kind":"spot-interruption","deadline":"2099-01-01T00:00:00Z","source":"imds"}'
@@ -223,14 +224,8 @@ async def old_agent(answer: Callable[[], tuple[int, bytes]]) -> AsyncIterator[tu
 
     app = web.Application()
     app.router.add_get("/v1/notice", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with serving_app(app) as port:
         yield f"http://127.0.0.1:{port}/v1/notice", queries
-    finally:
-        await runner.cleanup()
 
 
 async def test_against_an_agent_that_ignores_wait_the_sidecar_polls_at_the_interval_and_still_drains() -> None:

@@ -23,6 +23,7 @@ from sidecar.notices import NoticeError, notice_watcher, parse_notice
 from sidecar.settings import DrainSettings, EngineSettings
 from simulate.fakes.processes import free_port
 from spotdrain.metrics import CollectorRegistry
+from tests.conftest import serving_app
 from tests.unit.test_notices import JSON, NOTICE_LIKE
 
 SPOT = b'{"id":"2","kind":"spot-interruption","deadline":"2099-01-01T00:00:00Z","source":"imds"}'
@@ -48,14 +49,8 @@ async def serving(path: str, answer: Callable[[], Answer]) -> AsyncIterator[str]
     app = web.Application()
     app.router.add_get(path, handle)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with serving_app(app) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def _rejected(status: int, body: bytes) -> bool:
