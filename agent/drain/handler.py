@@ -106,15 +106,7 @@ class NodeHandler:
         """Act, retrying failures until the deadline; None when done, else why it was given up."""
         received = asyncio.get_running_loop().time()
         self.metrics.notices.labels(source=notice.source.value, kind=notice.kind.value).inc()
-        log.info(
-            "notice.received",
-            notice=notice.id,
-            kind=notice.kind.value,
-            instance=notice.instance_id,
-            deadline=rfc3339(notice.deadline),
-            source=notice.source.value,
-            withdrawn=notice.withdrawn,
-        )
+        log.info("notice.received", **notice.logged(), source=notice.source.value, withdrawn=notice.withdrawn)
         held = self.progress.holding(notice.id) if self.progress is not None else contextlib.nullcontext()
         with held:
             return await self._retry_until_deadline(notice, received=received)

@@ -28,7 +28,7 @@ from agent.notices.imds_parse import (
     parse_token,
 )
 from agent.notices.notice import Notice
-from spotdrain.clock import rfc3339, utcnow
+from spotdrain.clock import utcnow
 from spotdrain.metrics import CollectorRegistry, Counter, zeroed
 
 log = structlog.get_logger()
@@ -249,15 +249,7 @@ class ImdsSource:
         return min(self.max_backoff_s, max(self.interval_s, 0.05) * 2.0 ** min(self._streak, 16))
 
     def _announce(self, notice: Notice) -> None:
-        log.info(
-            "imds.notice",
-            notice=notice.id,
-            kind=notice.kind.value,
-            instance=notice.instance_id,
-            deadline=rfc3339(notice.deadline),
-            detail=notice.detail,
-            withdrawn=notice.withdrawn,
-        )
+        log.info("imds.notice", **notice.logged(), detail=notice.detail, withdrawn=notice.withdrawn)
 
 
 class _HandBack:

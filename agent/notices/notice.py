@@ -88,6 +88,15 @@ class Notice:
         key = "|".join((self.kind.value, self.instance_id, deadline, self.detail))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
+    def logged(self) -> dict[str, str]:
+        """The fields every log line about this notice carries, in every module that logs one."""
+        return {
+            "notice": self.id,
+            "kind": self.kind.value,
+            "instance": self.instance_id,
+            "deadline": rfc3339(self.deadline),
+        }
+
     def public(self) -> dict[str, str]:
         """The node-local endpoint's JSON body for this notice."""
         return {"id": self.id, "kind": self.kind.value, "deadline": rfc3339(self.deadline), "source": self.source.value}

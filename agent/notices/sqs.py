@@ -27,7 +27,6 @@ import structlog
 from agent.notices.messages import Ignored, Invalid, LifecycleAction, Notices, parse
 from agent.notices.notice import Notice
 from agent.notices.sqs_calls import AwsQueue, clients
-from spotdrain.clock import rfc3339
 from spotdrain.metrics import CollectorRegistry, Counter, zeroed
 from spotdrain.retry import BACKOFF_S, ApiError
 
@@ -265,15 +264,7 @@ class SqsSource:
         )
         notices = [replace(notice, ack=_Ack(tracked)) for notice in parsed.notices]
         for notice in notices:
-            log.info(
-                "sqs.notice",
-                notice=notice.id,
-                kind=notice.kind.value,
-                instance=notice.instance_id,
-                deadline=rfc3339(notice.deadline),
-                message=message_id,
-                receives=receives,
-            )
+            log.info("sqs.notice", **notice.logged(), message=message_id, receives=receives)
         return notices
 
 
