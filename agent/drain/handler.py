@@ -23,7 +23,15 @@ from agent.drain.board import NoticeBoard
 from agent.drain.eviction import Drainer
 from agent.drain.metrics import AgentMetrics
 from agent.drain.nodes import NodeActions, NodeIndex
-from agent.drain.planning import Node, instance_id_of, marked_for, plan_mark, plan_unmark, resumed
+from agent.drain.planning import (
+    Node,
+    event_text,
+    instance_id_of,
+    marked_for,
+    plan_mark,
+    plan_unmark,
+    resumed,
+)
 from agent.drain.progress import Progress
 from agent.notices.notice import Notice
 from spotdrain.clock import rfc3339
@@ -176,6 +184,7 @@ class NodeHandler:
         # In queue mode the node list the instance was found in serves as the first read: in a burst that halves
         # the calls before the taint. A stale copy costs a 409 and a fresh read, never a wrong patch.
         listed = self.index.take(name) if self.index is not None else None
+        unanswered: list[ApiError] = []  # attempts of ours that may have been applied: no answer, or a 5xx
         for _ in range(CONFLICT_RETRIES):
             node = self._confirmed(name, listed, notice) if listed else await self._read(name, notice)
             patch = plan_mark(node, notice)
@@ -183,11 +192,16 @@ class NodeHandler:
                 listed = None  # "already marked" is only believed from a fresh read
                 continue
             listed = None
+            if patch is None and unanswered and marked_for(node) == notice.id:
+                # Our own patch was applied and its answer lost: the node changed, so the Event is still ours to write.
+                log.info("node.marked_unanswered", node=name, notice=notice.id, error=str(unanswered[-1]))
+                await self._event(node, notice, withdrawn=False)
+                return True
             if patch is None:
                 log.info("node.already_marked", node=name, notice=notice.id, marked_for=marked_for(node))
                 return False
             try:
-                await self._patch(name, patch, notice)
+                await self._patch(name, patch, notice, unanswered=unanswered)
             except ApiError as error:
                 if error.status != 409:
                     raise
@@ -201,14 +215,19 @@ class NodeHandler:
     async def _withdraw(self, notice: Notice, name: str) -> None:
         if self.board is not None:
             self.board.withdraw(name, notice)
+        unanswered: list[ApiError] = []
         for _ in range(CONFLICT_RETRIES):
             node = await self._read(name, notice)
             patch = plan_unmark(node) if marked_for(node) == notice.id else None
+            if patch is None and unanswered and marked_for(node) is None:
+                log.info("node.unmarked_unanswered", node=name, notice=notice.id, error=str(unanswered[-1]))
+                await self._event(node, notice, withdrawn=True)
+                return
             if patch is None:
                 log.info("node.nothing_to_withdraw", node=name, notice=notice.id)
                 return
             try:
-                await self._patch(name, patch, notice)
+                await self._patch(name, patch, notice, unanswered=unanswered)
             except ApiError as error:
                 if error.status != 409:
                     raise
@@ -218,9 +237,18 @@ class NodeHandler:
             return
         raise ApiError(409, f"node {name} kept changing while it was being unmarked")
 
-    async def _patch(self, name: str, patch: dict[str, Any], notice: Notice) -> None:
+    async def _patch(self, name: str, patch: dict[str, Any], notice: Notice, *, unanswered: list[ApiError]) -> None:
+        """Send ``patch``; each attempt that may have been applied though it failed is added to ``unanswered``."""
+
+        async def patching() -> None:
+            try:
+                await self.actions.patch_node(name, patch)
+            except ApiError as error:
+                if error.status == 0 or error.status >= 500 or error.failure:
+                    unanswered.append(error)
+                raise
+
         # A 409 is not sent again: the patch is guarded by the resourceVersion it was planned from.
-        patching = functools.partial(self.actions.patch_node, name, patch)
         await self._call("node.patch", patching, notice, retry_if=lambda error: error.transient and error.status != 409)
 
     async def _read(self, name: str, notice: Notice) -> Node:
@@ -261,12 +289,7 @@ class NodeHandler:
 
     async def _event(self, node: Node, notice: Notice, *, withdrawn: bool) -> None:
         # An Event is for people reading `kubectl describe node`; failing to write one must not stop the drain.
-        if withdrawn:
-            reason, message = "InterruptionWithdrawn", f"{notice.kind.value} notice withdrawn ({notice.source.value})"
-        else:
-            action = "tainted and cordoned" if notice.kind.definitive else "tainted PreferNoSchedule"
-            reason = "InterruptionNotice"
-            message = f"{notice.kind.value} from {notice.source.value}, deadline {rfc3339(notice.deadline)}: {action}"
+        reason, message = event_text(notice, withdrawn=withdrawn)
         try:
             await self.actions.event(node, reason=reason, message=message, warning=not withdrawn)
         except Exception as error:

@@ -64,6 +64,8 @@ async def test_one_misbehaving_call_loses_no_notice(kube: FakeKube, tmp_path: Pa
     assert [s.kind for s in kube.faults.struck] == [FAULTS[fault]["kind"]]
     assert kube.pod("ml", "other-node-pod") is not None
     assert not any(e["event"] in ("notice.handler_failed", "task.failed") for e in logs)
+    # A patch applied whose answer was lost still gets its one Event.
+    assert [e["reason"] for e in kube.events()] == ["InterruptionNotice"]
 
 
 async def test_livez_fails_while_a_notice_makes_no_progress_and_recovers(kube: FakeKube, tmp_path: Path) -> None:

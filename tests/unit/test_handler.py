@@ -35,6 +35,7 @@ class RecordingActions:
         self.events: list[tuple[str, str]] = []
         self.version = 1
         self.fail: dict[str, list[ApiError]] = {}
+        self.answers_lost = 0  # node patches applied whose answer is then lost
         self.pdb_blocks_until: float = 0.0
 
     def add_node(self, name: str, instance_id: str, **spec: Any) -> None:
@@ -72,6 +73,9 @@ class RecordingActions:
         updated = merge_patch(self.nodes[name], patch)
         updated["metadata"]["resourceVersion"] = str(self.version)
         self.nodes[name] = updated
+        if self.answers_lost:
+            self.answers_lost -= 1
+            raise ApiError(0, "connection lost", failure="timeout")
         return copy.deepcopy(updated)
 
     async def pods_on(self, node: str) -> list[dict[str, Any]]:
@@ -266,6 +270,20 @@ async def test_a_withdrawn_maintenance_event_undoes_only_its_own_marks(actions: 
     assert "unschedulable" not in node["spec"]
     assert "taints" not in node["spec"]
     assert board.by_node == {}
+    assert [e[0] for e in actions.events] == ["InterruptionNotice", "InterruptionWithdrawn"]
+
+
+@pytest.mark.looptime
+async def test_a_patch_applied_whose_answer_was_lost_still_gets_its_event(actions: RecordingActions) -> None:
+    handler, _, _ = handler_for(actions, evict=False)
+    event = Notice(Kind.SCHEDULED_MAINTENANCE, "i-0abc", T0 + timedelta(hours=2), Source.IMDS, "instance-event-1")
+    actions.answers_lost = 1
+    await handler.handle(event)
+    assert actions.nodes["gpu-1"]["spec"]["unschedulable"] is True
+    actions.answers_lost = 1
+    await handler.handle(replace(event, withdrawn=True))
+    assert "unschedulable" not in actions.nodes["gpu-1"]["spec"]
+    assert [c[0] for c in actions.calls].count("patch_node") == 4, "each lost answer costs one 409"
     assert [e[0] for e in actions.events] == ["InterruptionNotice", "InterruptionWithdrawn"]
 
 
