@@ -22,16 +22,9 @@ import structlog
 from agent.drain.board import NoticeBoard
 from agent.drain.eviction import Drainer
 from agent.drain.metrics import AgentMetrics
+from agent.drain.node_events import NodeEvents
 from agent.drain.nodes import NodeActions, NodeIndex
-from agent.drain.planning import (
-    Node,
-    event_text,
-    instance_id_of,
-    marked_for,
-    plan_mark,
-    plan_unmark,
-    resumed,
-)
+from agent.drain.planning import Node, instance_id_of, marked_for, plan_mark, plan_unmark, resumed
 from agent.drain.progress import Progress
 from agent.notices.notice import Notice
 from spotdrain.clock import rfc3339
@@ -80,6 +73,7 @@ class NodeHandler:
         self.local_node = local_node
         self.index = index
         self.progress = progress
+        self.events = NodeEvents(actions)
         # Keyed by id and withdrawal: a canceled event has its notice's id, and must not wait behind its drain.
         self._active: dict[tuple[str, bool], asyncio.Future[str | None]] = {}
 
@@ -108,7 +102,7 @@ class NodeHandler:
         running = list(self._active.values())
         for future in running:
             future.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*running, *self.events.cancel(), return_exceptions=True)
 
     async def _act_until_deadline(self, notice: Notice) -> str | None:
         """Act, retrying failures until the deadline; None when done, else why it was given up."""
@@ -165,6 +159,7 @@ class NodeHandler:
     async def _act(self, notice: Notice, node: str, *, received: float) -> None:
         if notice.withdrawn:
             await self._withdraw(notice, node)
+            await self.events.written(notice)
             return
         if notice.reckoned:
             # The node, not the agent, remembers when the notice was first seen: a restart must not move it.
@@ -173,11 +168,10 @@ class NodeHandler:
             self.board.publish(node, notice)  # sidecars first: they leave rotation while the node is being patched
         if await self._mark(notice, node):
             self.metrics.notice_to_taint.observe(asyncio.get_running_loop().time() - received)
-        if not notice.kind.definitive:
-            return
-        if self.policy.evict:
+        if notice.kind.definitive and self.policy.evict:
             async with self._heartbeats(notice):
                 await self.drainer.drain(node, deadline=notice.deadline, notice_id=notice.id)
+        await self.events.written(notice)
 
     async def _mark(self, notice: Notice, name: str) -> bool:
         """Taint, cordon and annotate in one guarded patch; True if this call changed the node."""
@@ -195,7 +189,7 @@ class NodeHandler:
             if patch is None and unanswered and marked_for(node) == notice.id:
                 # Our own patch was applied and its answer lost: the node changed, so the Event is still ours to write.
                 log.info("node.marked_unanswered", node=name, notice=notice.id, error=str(unanswered[-1]))
-                await self._event(node, notice, withdrawn=False)
+                self.events.write(node, notice, withdrawn=False)
                 return True
             if patch is None:
                 log.info("node.already_marked", node=name, notice=notice.id, marked_for=marked_for(node))
@@ -208,7 +202,7 @@ class NodeHandler:
                 log.info("node.conflict", node=name, notice=notice.id)
                 continue
             self._log_marked(name, notice, patch)
-            await self._event(node, notice, withdrawn=False)
+            self.events.write(node, notice, withdrawn=False)
             return True
         raise ApiError(409, f"node {name} kept changing while it was being marked")
 
@@ -221,7 +215,7 @@ class NodeHandler:
             patch = plan_unmark(node) if marked_for(node) == notice.id else None
             if patch is None and unanswered and marked_for(node) is None:
                 log.info("node.unmarked_unanswered", node=name, notice=notice.id, error=str(unanswered[-1]))
-                await self._event(node, notice, withdrawn=True)
+                self.events.write(node, notice, withdrawn=True)
                 return
             if patch is None:
                 log.info("node.nothing_to_withdraw", node=name, notice=notice.id)
@@ -233,7 +227,7 @@ class NodeHandler:
                     raise
                 continue
             log.info("node.unmarked", node=name, notice=notice.id, removed=sorted(patch.get("spec", {})))
-            await self._event(node, notice, withdrawn=True)
+            self.events.write(node, notice, withdrawn=True)
             return
         raise ApiError(409, f"node {name} kept changing while it was being unmarked")
 
@@ -286,14 +280,6 @@ class NodeHandler:
             log.info("node.cordoned", node=name, notice=notice.id)
         if notice.kind.definitive:
             log.info("node.annotated", node=name, notice=notice.id, termination_time=rfc3339(notice.deadline))
-
-    async def _event(self, node: Node, notice: Notice, *, withdrawn: bool) -> None:
-        # An Event is for people reading `kubectl describe node`; failing to write one must not stop the drain.
-        reason, message = event_text(notice, withdrawn=withdrawn)
-        try:
-            await self.actions.event(node, reason=reason, message=message, warning=not withdrawn)
-        except Exception as error:
-            log.warning("node.event_failed", node=node["metadata"]["name"], error=f"{type(error).__name__}: {error}")
 
     @contextlib.asynccontextmanager
     async def _heartbeats(self, notice: Notice) -> AsyncIterator[None]:

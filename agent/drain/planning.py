@@ -141,17 +141,6 @@ class Eviction:
     grace_s: int
 
 
-def event_text(notice: Notice, *, withdrawn: bool) -> tuple[str, str]:
-    """The reason and message of the node Event that says what was done for ``notice``."""
-    if withdrawn:
-        return "InterruptionWithdrawn", f"{notice.kind.value} notice withdrawn ({notice.source.value})"
-    action = "tainted and cordoned" if notice.kind.definitive else "tainted PreferNoSchedule"
-    return (
-        "InterruptionNotice",
-        f"{notice.kind.value} from {notice.source.value}, deadline {rfc3339(notice.deadline)}: {action}",
-    )
-
-
 def skip_reason(pod: Pod, *, agent_pod: tuple[str, str] | None) -> str | None:
     """Why a pod on the node is left alone, or None if it is to be evicted."""
     meta = pod.get("metadata") or {}

@@ -68,6 +68,16 @@ async def test_one_misbehaving_call_loses_no_notice(kube: FakeKube, tmp_path: Pa
     assert [e["reason"] for e in kube.events()] == ["InterruptionNotice"]
 
 
+async def test_a_hung_event_write_does_not_hold_up_the_evictions(kube: FakeKube, tmp_path: Path) -> None:
+    kube.faults.inject("hang", "POST", r"/events$")
+    imds = FakeImds(instance_id=INSTANCE)
+    imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
+    async with serving(imds) as url, agent(kube, url, tmp_path, "--api-timeout", "60"):
+        await until(lambda: drained(kube), timeout_s=10)
+        assert [s.kind for s in kube.faults.struck] == ["hang"], "the Event is still being written"
+        assert kube.events() == []
+
+
 async def test_livez_fails_while_a_notice_makes_no_progress_and_recovers(kube: FakeKube, tmp_path: Path) -> None:
     kube.faults.inject("hang", "PATCH", NODE_PATH)
     imds = FakeImds(instance_id=INSTANCE)
