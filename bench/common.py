@@ -53,3 +53,16 @@ def cpu_s(pid: int) -> float:
     """User plus system CPU seconds a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pss_mb(pid: int, *, proc: Path = Path("/proc")) -> float | None:
+    """Proportional set size in MiB, from ``smaps_rollup`` (Linux 4.14 and later); None where the kernel has none,
+    so that no figure stands in for one it could not read."""
+    try:
+        text = (proc / str(pid) / "smaps_rollup").read_text()
+    except FileNotFoundError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return None

@@ -9,7 +9,20 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from bench import burst, cache, faults, fleet, gateway, inflight_parse, node, prestop, sidecar, waiting, webhook
+from bench import (
+    burst,
+    cache,
+    faults,
+    fleet,
+    footprint,
+    gateway,
+    inflight_parse,
+    node,
+    prestop,
+    sidecar,
+    waiting,
+    webhook,
+)
 from bench.common import Result, missed, report
 
 
@@ -29,6 +42,7 @@ async def run(names: set[str]) -> list[Result]:
         ("faults", faults),
         ("gateway", gateway),
         ("webhook", webhook),
+        ("footprint", footprint),
     )
     for name, module in modules:
         if not names or name in names:

@@ -66,3 +66,67 @@ def test_a_loop_device_that_cannot_be_attached_skips_the_cache_figures_with_lose
     losetup = "echo 'losetup: cannot find an unused loop device' >&2; exit 1"
     results = measured(tmp_path, uid=0, tools={"losetup": losetup, "mkfs.xfs": "exit 0"})
     assert_all_skipped(results, "losetup: cannot find an unused loop device")
+
+
+def run_bench_code(code: str) -> Any:
+    """Run ``code`` (which prints one JSON value) in a process of its own; returns that value."""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_pss_is_read_from_smaps_rollup_and_is_none_where_the_kernel_has_none(tmp_path: Path) -> None:
+    (tmp_path / "41").mkdir()
+    (tmp_path / "41" / "smaps_rollup").write_text(
+        "55d0-7ffd ---p 00000000 00:00 0 [rollup]\nRss: 9216 kB\nPss: 3072 kB\n"
+    )
+    (tmp_path / "42").mkdir()  # a process whose kernel has no smaps_rollup (before Linux 4.14)
+    code = f"""
+import json, os
+from pathlib import Path
+from bench.common import pss_mb, rss_mb
+proc = Path({str(tmp_path)!r})
+print(json.dumps([pss_mb(41, proc=proc), pss_mb(42, proc=proc), pss_mb(os.getpid()), rss_mb(os.getpid())]))
+"""
+    fake, missing, own_pss, own_rss = run_bench_code(code)
+    assert (fake, missing) == (3.0, None)
+    if Path(f"/proc/{os.getpid()}/smaps_rollup").exists():
+        assert 0 < own_pss <= own_rss
+
+
+PROBES = """
+import asyncio, json, ssl
+from aiohttp import web
+from bench.footprint import Probe, probing
+from simulate.fakes.processes import free_port
+
+async def main():
+    app = web.Application()
+    app.router.add_get("/ok", lambda request: web.Response(text="ok"))
+    app.router.add_get("/draining", lambda request: web.Response(status=503))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    closed = free_port()
+    failures = []
+    urls = [f"http://127.0.0.1:{port}/ok", f"http://127.0.0.1:{port}/draining", f"http://127.0.0.1:{closed}/ready"]
+    context = ssl.create_default_context()
+    tasks = [asyncio.create_task(probing(Probe(url, 0.1), context, failures)) for url in urls]
+    await asyncio.sleep(0.35)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await runner.cleanup()
+    print(json.dumps({"failures": failures, "draining": urls[1], "closed": urls[2]}))
+
+asyncio.run(main())
+"""
+
+
+def test_the_footprint_probes_note_every_answer_that_is_not_a_200_and_every_refused_connection() -> None:
+    seen = run_bench_code(PROBES)
+    failed = {failure.partition(": ")[0] for failure in seen["failures"]}
+    assert failed == {seen["draining"], seen["closed"]}
+    assert f"{seen['draining']}: 503" in seen["failures"]
+    assert len(seen["failures"]) >= 4  # each probe repeats every period, failing each time
