@@ -19,6 +19,8 @@ from tests.deploy.manifests import (
     ROOT,
     Obj,
     components,
+    kustomization_dirs,
+    kustomizations,
     named,
     one,
     render,
@@ -27,6 +29,7 @@ from tests.deploy.manifests import (
 from tests.deploy.test_cfn import _template as cloudformation_template
 
 PLACEHOLDERS = DEPLOY / "PLACEHOLDERS.md"
+README = ROOT / "README.md"
 FULL = "deploy/examples/full"
 # Parts of another kustomization, not installed on their own: checked inside the one that includes them.
 PARTS = {"daemonset/queue": "daemonset/queue-mode"}
@@ -106,6 +109,12 @@ def test_a_custom_group_is_not_core() -> None:
 
 def test_every_component_is_composed_in_the_tests() -> None:
     assert sorted(layer.component for layer in LAYERS) == components()
+
+
+def test_no_component_sets_a_namespace_for_everything() -> None:
+    # A component's namespace: would move every object of the overlay that adds it, the agent's included.
+    for component in components():
+        assert "namespace" not in yaml.safe_load((ROOT / component / "kustomization.yaml").read_text()), component
 
 
 def test_the_full_example_adds_every_layer_of_the_node_agents_overlays() -> None:
@@ -199,3 +208,25 @@ def test_the_queue_url_is_the_same_everywhere_and_names_the_stacks_queue() -> No
     assert url.rsplit("/", 1)[1] == queue_name
     assert url.startswith(f"https://sqs.{settings[0]['aws-region']}.amazonaws.com/")
     assert url in listed_placeholders()
+
+
+# The documentation against the files -------------------------------------------------------------------------------
+
+_PATH = re.compile(r"(?<![\w/.-])((?:deploy|daemonset)/[\w./-]*)")
+_APPLY = re.compile(r"kubectl apply -k ((?:[\w.-]+/)*[\w.-]+)/?(?=[\s`]|$)")
+
+
+def test_every_path_the_readme_names_exists_and_every_optional_layer_is_in_it() -> None:
+    text = README.read_text()
+    named_paths = {path.rstrip(".,:;") for path in _PATH.findall(text)}
+    assert sorted(path for path in named_paths if not (ROOT / path).exists()) == []
+    layers = [c for c in components() if c.startswith("deploy/components/")]
+    assert [component for component in layers if component not in named_paths] == []
+
+
+def test_what_the_docs_say_to_apply_is_a_kustomization() -> None:
+    texts = [README.read_text(), PLACEHOLDERS.read_text()]
+    texts += [(ROOT / d / "kustomization.yaml").read_text() for d in kustomization_dirs()]
+    applied = {path for text in texts for path in _APPLY.findall(text)}
+    assert applied
+    assert applied - set(kustomizations()) == set()
