@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ DEPLOY = ROOT / "deploy"
 DAEMONSET = ROOT / "daemonset"  # the node agent's base and mode overlays
 SHIPPED = (DEPLOY, DAEMONSET)
 CRDS = ROOT.parent / "shared" / "crds"
+DASHBOARD = DEPLOY / "components" / "grafana" / "spotdrain.json"  # Grafana's JSON model
 KUBERNETES_VERSION = "1.33"  # a version EKS runs; kubernetes-validate ships its schemas
 CUSTOM_GROUPS = frozenset({"karpenter.sh", "karpenter.k8s.aws", "keda.sh", "monitoring.coreos.com", "ray.io"})
 # Custom kinds deploy/ uses whose CRDs the shared folder does not hold yet: not schema-checked (reported as
@@ -58,32 +60,102 @@ def kustomization_dirs() -> list[str]:
     return sorted(str(path.parent.relative_to(ROOT)) for top in SHIPPED for path in top.rglob("kustomization.yaml"))
 
 
+def is_component(directory: str) -> bool:
+    return "kind: Component" in (ROOT / directory / "kustomization.yaml").read_text()
+
+
 def kustomizations() -> list[str]:
-    """The directories that render on their own: components (``kind: Component``) patch what an overlay brings,
-    so they are rendered inside the overlays that use them."""
-    return [d for d in kustomization_dirs() if "kind: Component" not in (ROOT / d / "kustomization.yaml").read_text()]
+    """The directories that are installed on their own: components (``kind: Component``) are added to an overlay,
+    and rendered in the compositions of ``LAYERS``."""
+    return [d for d in kustomization_dirs() if not is_component(d)]
+
+
+def components() -> list[str]:
+    return [d for d in kustomization_dirs() if is_component(d)]
+
+
+MODES = ("daemonset/imds-mode", "daemonset/karpenter-interruption", "daemonset/queue-mode")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A component, what it is added to besides a mode overlay (``under``), and the components it needs listed
+    before it (``after``); ``with_mode`` is false for one that does not go with the node agent's overlays."""
+
+    component: str
+    under: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    with_mode: bool = True
+
+
+LAYERS = (
+    Layer("deploy/components/karpenter"),
+    Layer("deploy/components/vllm"),
+    Layer("deploy/components/keda", after=("deploy/components/vllm",)),
+    Layer("deploy/components/podmonitors/agent"),
+    Layer("deploy/components/podmonitors/vllm", after=("deploy/components/vllm",)),
+    Layer("deploy/components/podmonitors/gateway", under=("deploy/gateway",)),
+    Layer("deploy/components/podmonitors/kuberay", under=("deploy/kuberay",)),
+    Layer("deploy/components/alerts"),
+    Layer("deploy/components/grafana"),
+    # The webhook's base creates the spotdrain namespace too, so it is not composed with a mode overlay.
+    Layer("deploy/webhook/components/cert-manager", under=("deploy/webhook/base",), with_mode=False),
+)
+
+
+def compositions() -> list[str]:
+    """Each component composed with each mode overlay (and what it needs), as ``render`` takes them."""
+    found = []
+    for layer in LAYERS:
+        for mode in MODES if layer.with_mode else ("",):
+            found.append("+".join(part for part in (mode, *layer.under, *layer.after, layer.component) if part))
+    return found
+
+
+def renderings() -> list[str]:
+    """Everything a user may install: each kustomization, and each component in its compositions."""
+    return kustomizations() + compositions()
 
 
 def have_kubectl() -> bool:
     return shutil.which("kubectl") is not None
 
 
-@functools.cache
-def _render(directory: str) -> tuple[Obj, ...]:
+def _kustomize(directory: Path, what: str) -> tuple[Obj, ...]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: the kustomizations cannot be rendered")
     done = subprocess.run(
-        [kubectl, "kustomize", str(ROOT / directory)], capture_output=True, text=True, timeout=60, check=False
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
     )
     if done.returncode != 0:
-        pytest.fail(f"kubectl kustomize {directory} failed:\n{done.stderr}")
+        pytest.fail(f"kubectl kustomize {what} failed:\n{done.stderr}")
     return tuple(load_all(done.stdout))
 
 
-def render(directory: str) -> list[Obj]:
-    """The objects ``kubectl kustomize <directory>`` prints (rendered once per test run)."""
-    return list(_render(directory))
+@functools.cache
+def _render(what: str) -> tuple[Obj, ...]:
+    parts = what.split("+")
+    if len(parts) == 1:
+        return _kustomize(ROOT / what, what)
+    # A composition: an overlay of the kustomizations with the components, written where kustomize accepts
+    # it (paths relative to the overlay: it refuses absolute ones).
+    with tempfile.TemporaryDirectory() as overlay:
+        relative = {part: os.path.relpath(ROOT / part, overlay) for part in parts}
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "resources": [relative[part] for part in parts if not is_component(part)],
+            "components": [relative[part] for part in parts if is_component(part)],
+        }
+        (Path(overlay) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+        return _kustomize(Path(overlay), what)
+
+
+def render(what: str) -> list[Obj]:
+    """The objects ``kubectl kustomize <directory>`` prints, or for ``a+b+c`` those of an overlay of the
+    kustomizations among them with the components among them, in that order (rendered once per test run)."""
+    return list(_render(what))
 
 
 def named(objects: Iterable[Obj], kind: str, name: str | None = None) -> list[Obj]:

@@ -17,7 +17,7 @@ from sidecar.metrics import SidecarMetrics
 from spotdrain.settings import env_name
 from tests.conftest import every_series
 from tests.deploy.manifests import (
-    DEPLOY,
+    DASHBOARD,
     ROOT,
     SHIPPED,
     Invocation,
@@ -189,7 +189,7 @@ def test_every_label_matcher_on_a_spotdrain_metric_names_a_real_label_and_value(
 
 
 def test_the_dashboard_shows_every_series_of_the_agent_and_the_sidecar() -> None:
-    dashboard = (DEPLOY / "grafana" / "spotdrain.json").read_text()
+    dashboard = DASHBOARD.read_text()
     registry = CollectorRegistry()
     AgentMetrics.create(registry)
     SidecarMetrics.create(registry)

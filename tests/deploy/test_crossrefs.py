@@ -29,7 +29,9 @@ COMPOSED = (
     "daemonset/imds-mode",
     "daemonset/karpenter-interruption",
     "daemonset/queue-mode",
-    "deploy/kuberay",
+    "deploy/examples/full",
+    "deploy/gateway+deploy/components/podmonitors/gateway",
+    "deploy/kuberay+deploy/components/podmonitors/kuberay",
     "deploy/webhook/self-managed",
     "deploy/webhook/cert-manager",
 )
@@ -117,7 +119,7 @@ def test_pod_monitors_select_pods_that_expose_their_ports(directory: str) -> Non
 
 
 def test_the_scaled_object_targets_the_vllm_deployment_and_its_metrics() -> None:
-    objects = render("daemonset/imds-mode")
+    objects = render("deploy/examples/full")
     scaled = one(objects, "ScaledObject", "vllm")
     target = one(objects, "Deployment", scaled["spec"]["scaleTargetRef"]["name"])
     assert namespace_of(target) == namespace_of(scaled)
@@ -212,7 +214,7 @@ def test_the_sidecar_runs_unprivileged_with_a_read_only_root(directory: str) -> 
         assert not context["allowPrivilegeEscalation"]
 
 
-@pytest.mark.parametrize("directory", ["daemonset/imds-mode", "deploy/kuberay"])
+@pytest.mark.parametrize("directory", ["deploy/examples/full", "deploy/kuberay"])
 def test_the_sidecars_notice_url_is_the_agent_endpoint_on_its_node(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -221,6 +223,7 @@ def test_the_sidecars_notice_url_is_the_agent_endpoint_on_its_node(
     node: NodeSettings = parse(_agent_call(agent, "agent"), monkeypatch, capsys)
     notice = next(p for p in _agent_container(agent, "agent")["ports"] if p["containerPort"] == node.notice_port)
     assert notice["hostPort"] == node.notice_port
+    assert _sidecar_pods(objects)
     for template, sidecar in _sidecar_pods(objects):
         url = _sidecar_settings(template, sidecar, objects, monkeypatch, capsys).drain.notice_url
         assert url == f"http://10.0.0.1:{node.notice_port}/v1/notice"  # $(HOST_IP), from status.hostIP
@@ -279,7 +282,7 @@ def test_the_agent_reaches_imds_from_the_host_network_and_runs_everywhere_it_mus
     assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in spec["tolerations"]
-    hop_limit = one(render("deploy/karpenter"), "EC2NodeClass", "gpu-inference")["spec"]["metadataOptions"]
+    hop_limit = one(render("deploy/components/karpenter"), "EC2NodeClass", "gpu-inference")["spec"]["metadataOptions"]
     assert hop_limit["httpTokens"] == "required"
     assert hop_limit["httpPutResponseHopLimit"] == 1
 

@@ -16,7 +16,7 @@ GPU = "nvidia.com/gpu"
 
 
 def _node_pool() -> Obj:
-    return one(render("deploy/karpenter"), "NodePool", "gpu-inference")
+    return one(render("deploy/components/karpenter"), "NodePool", "gpu-inference")
 
 
 # Nodes: taints, labels, instance types -----------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_node_pool_requirements_use_karpenters_well_known_labels() -> None:
 
 
 def test_the_node_class_leaves_the_instance_store_to_the_model_cache() -> None:
-    spec = one(render("deploy/karpenter"), "EC2NodeClass", "gpu-inference")["spec"]
+    spec = one(render("deploy/components/karpenter"), "EC2NodeClass", "gpu-inference")["spec"]
     assert "instanceStorePolicy" not in spec
     assert spec["amiSelectorTerms"][0]["alias"].startswith("al2023@")
 

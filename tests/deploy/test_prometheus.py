@@ -1,5 +1,5 @@
 """The PromQL that ships, checked by Prometheus' own tools: every expression in deploy/ parses (promtool check rules,
-no server needed), and each alert of deploy/monitoring fires on what it is for (promtool test rules)."""
+no server needed), and each alert of deploy/components/alerts fires on what it is for (promtool test rules)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.manifests import DEPLOY, one, render, schema_errors
+from tests.deploy.manifests import DASHBOARD, one, render, schema_errors
 
 PROMTOOL = shutil.which("promtool")
 pytestmark = pytest.mark.skipif(
@@ -38,20 +38,20 @@ def _exprs(value: Any) -> Iterator[str]:
 
 
 def dashboard_queries() -> list[str]:
-    queries = list(_exprs(json.loads((DEPLOY / "grafana" / "spotdrain.json").read_text())))
+    queries = list(_exprs(json.loads(DASHBOARD.read_text())))
     for variable, value in GRAFANA_VARIABLES.items():
         queries = [query.replace(variable, value) for query in queries]
     return queries
 
 
 def keda_queries() -> list[str]:
-    scaled = one(render("deploy/keda"), "ScaledObject", "vllm")
+    scaled = one(render("deploy/components/keda"), "ScaledObject", "vllm")
     return [t["metadata"]["query"] for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
 
 
 def alert_rules() -> dict[str, Any]:
     """The rendered PrometheusRule's groups, as a Prometheus rules file."""
-    return {"groups": one(render("deploy/monitoring"), "PrometheusRule", "spotdrain")["spec"]["groups"]}
+    return {"groups": one(render("deploy/components/alerts"), "PrometheusRule", "spotdrain")["spec"]["groups"]}
 
 
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -95,7 +95,7 @@ def test_every_alert_is_tested() -> None:
 
 
 def test_a_misspelt_rule_field_is_refused_by_the_rule_schema() -> None:
-    rule = copy.deepcopy(one(render("deploy/monitoring"), "PrometheusRule", "spotdrain"))
+    rule = copy.deepcopy(one(render("deploy/components/alerts"), "PrometheusRule", "spotdrain"))
     assert schema_errors(rule) == []
     rule["spec"]["groups"][0]["rules"][0]["expression"] = rule["spec"]["groups"][0]["rules"][0].pop("expr")
     assert schema_errors(rule) != []

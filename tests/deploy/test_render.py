@@ -1,4 +1,5 @@
-"""Every kustomization under deploy/ and daemonset/ renders, and the overlays compose what their comments promise."""
+"""Every kustomization under deploy/ and daemonset/ renders, alone and with each component it takes, and the
+overlays compose what their comments promise."""
 
 from __future__ import annotations
 
@@ -8,9 +9,21 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.manifests import DEPLOY, ROOT, SHIPPED, Obj, kustomization_dirs, kustomizations, named, one, render
-
-OVERLAYS = ("daemonset/imds-mode", "daemonset/karpenter-interruption", "daemonset/queue-mode")
+from tests.deploy.manifests import (
+    DASHBOARD,
+    MODES,
+    ROOT,
+    SHIPPED,
+    Obj,
+    components,
+    compositions,
+    kustomization_dirs,
+    kustomizations,
+    named,
+    one,
+    render,
+    renderings,
+)
 
 
 def _env(objects: list[Obj], kind: str, name: str, container: str) -> dict[str, Any]:
@@ -27,36 +40,33 @@ def test_every_directory_with_kubernetes_objects_has_a_kustomization() -> None:
         if path.parent.name not in ("aws",)
     }
     assert yaml_dirs <= set(kustomization_dirs())
-    shipped = {f"deploy/{name}" for name in ("karpenter", "vllm", "keda", "kuberay", "grafana")}
+    shipped = {f"deploy/{name}" for name in ("vllm", "kuberay", "gateway", "examples/full")}
     shipped |= {"deploy/webhook/self-managed", "deploy/webhook/cert-manager"}
-    assert {*shipped, "daemonset/base", "daemonset/queue", *OVERLAYS} <= set(kustomizations())
+    assert {*shipped, "daemonset/base", "daemonset/queue", *MODES} <= set(kustomizations())
+    layers = {f"deploy/components/{name}" for name in ("karpenter", "vllm", "keda", "alerts", "grafana")}
+    layers |= {f"deploy/components/podmonitors/{name}" for name in ("agent", "vllm", "gateway", "kuberay")}
+    assert layers <= set(components())
 
 
-@pytest.mark.parametrize("directory", kustomizations())
-def test_the_kustomization_renders_objects_with_unique_names(directory: str) -> None:
-    objects = render(directory)
-    assert objects, f"{directory} renders nothing"
+def test_each_component_is_composed_with_each_mode_overlay() -> None:
+    for component in components():
+        if component.startswith("deploy/components/"):
+            assert {c.split("+")[0] for c in compositions() if c.endswith(f"+{component}")} == set(MODES), component
+
+
+@pytest.mark.parametrize("rendering", renderings())
+def test_the_kustomization_renders_objects_with_unique_names(rendering: str) -> None:
+    objects = render(rendering)
+    assert objects, f"{rendering} renders nothing"
     ids = Counter((o["apiVersion"], o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects)
     assert [key for key, count in ids.items() if count > 1] == []
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_each_overlay_brings_the_node_pool_the_agent_and_the_inference_service(overlay: str) -> None:
-    objects = render(overlay)
-    for kind, name in [
-        ("NodePool", "gpu-inference"),
-        ("EC2NodeClass", "gpu-inference"),
-        ("DaemonSet", "spotdrain-node"),
-        ("Deployment", "vllm"),
-        ("ScaledObject", "vllm"),
-        ("ConfigMap", "spotdrain-dashboard"),
-    ]:
-        one(objects, kind, name)
-
-
-def test_keda_owns_the_replica_count_in_the_overlays() -> None:
+def test_keda_owns_the_replica_count_where_it_is_added() -> None:
     assert "replicas" in one(render("deploy/vllm"), "Deployment", "vllm")["spec"]
-    assert "replicas" not in one(render("daemonset/imds-mode"), "Deployment", "vllm")["spec"]
+    assert "replicas" in one(render("daemonset/imds-mode+deploy/components/vllm"), "Deployment", "vllm")["spec"]
+    for rendering in [c for c in compositions() if c.endswith("/keda")] + ["deploy/examples/full"]:
+        assert "replicas" not in one(render(rendering), "Deployment", "vllm")["spec"], rendering
 
 
 def test_only_imds_mode_lets_the_node_agents_evict() -> None:
@@ -78,11 +88,11 @@ def test_the_queue_consumer_runs_only_in_queue_mode_and_reads_the_overlays_queue
 
 
 def test_the_dashboard_is_json_that_grafana_imports() -> None:
-    dashboard = json.loads((DEPLOY / "grafana" / "spotdrain.json").read_text())
+    dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["uid"] == "spotdrain"
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
-    config_map = one(render("deploy/grafana"), "ConfigMap", "spotdrain-dashboard")
+    config_map = one(render("daemonset/imds-mode+deploy/components/grafana"), "ConfigMap", "spotdrain-dashboard")
     assert json.loads(config_map["data"]["spotdrain.json"]) == dashboard
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
 

@@ -12,16 +12,16 @@ from tests.deploy.manifests import (
     WITHOUT_SHARED_CRD,
     crd_validators,
     is_custom,
-    kustomizations,
     one,
     render,
+    renderings,
     schema_errors,
     structural,
     without_crd,
 )
 
 
-@pytest.mark.parametrize("directory", kustomizations())
+@pytest.mark.parametrize("directory", renderings())
 def test_every_rendered_object_fits_the_schema_of_its_kind(directory: str) -> None:
     # Without the shared CRDs only the core kinds are checked here; the custom ones are skipped, not passed.
     checkable = [obj for obj in render(directory) if (crd_validators() or not is_custom(obj)) and not without_crd(obj)]
@@ -36,7 +36,7 @@ def test_every_rendered_object_fits_the_schema_of_its_kind(directory: str) -> No
 def test_the_shared_crds_cover_every_custom_kind_deploy_uses() -> None:
     if not CRDS.is_dir():
         pytest.skip(f"no CRDs in {CRDS}")
-    used = {(o["apiVersion"], o["kind"]) for d in kustomizations() for o in render(d) if "." in o["apiVersion"]}
+    used = {(o["apiVersion"], o["kind"]) for d in renderings() for o in render(d) if "." in o["apiVersion"]}
     custom = {key for key in used if not key[0].partition("/")[0].endswith("k8s.io")}
     custom = {key for key in custom if key[0].partition("/")[0] not in WITHOUT_SHARED_CRD}
     assert custom <= set(crd_validators())
@@ -45,7 +45,7 @@ def test_the_shared_crds_cover_every_custom_kind_deploy_uses() -> None:
 def test_a_misspelt_node_pool_field_is_refused() -> None:
     if not CRDS.is_dir():
         pytest.skip(f"no CRDs in {CRDS}")
-    pool = copy.deepcopy(one(render("deploy/karpenter"), "NodePool", "gpu-inference"))
+    pool = copy.deepcopy(one(render("deploy/components/karpenter"), "NodePool", "gpu-inference"))
     pool["spec"]["template"]["spec"]["startupTaint"] = pool["spec"]["template"]["spec"].pop("startupTaints")
     assert any("startupTaint" in error for error in schema_errors(pool))
 
