@@ -1,10 +1,12 @@
-"""``spotdrain inject``: add the sidecar, the engine's readiness probe through it, the preStop handshake, the shared
-drain volume and a grace period that fits, to every inference workload of a manifest.
+"""``spotdrain inject``: add the sidecar (with its own readiness probe), the preStop handshake, the shared drain
+volume and a grace period that fits, to every inference workload of a manifest.
 
 What a pod spec gets is decided here, in pure functions of plain dicts (``inject_pod``): which container runs an
-engine, whether the sidecar is there already, and what is added. It has two front ends: ``spotdrain inject``
-(``inject.manifest`` finds the pod specs in a manifest and reads and writes its YAML; ``inject.cli`` is the command
-line) and ``spotdrain webhook`` (the Pods the API server is asked to create). Nothing here needs a YAML library.
+engine, whether the sidecar is there already, and what is added. The user's own fields stay as they were, but for
+the grace period, which can only be raised, and the outcome names each such change. It has two front ends:
+``spotdrain inject`` (``inject.manifest`` finds the pod specs in a manifest and reads and writes its YAML;
+``inject.cli`` is the command line) and ``spotdrain webhook`` (the Pods the API server is asked to create).
+Nothing here needs a YAML library.
 """
 
 from __future__ import annotations
@@ -139,12 +141,19 @@ def _number(value: float) -> str:
 
 
 def ready_probe() -> Obj:
-    """The sidecar's /ready: 200 while serving and the engine is healthy, 503 from the moment a drain starts."""
+    """The sidecar container's own readiness probe. Its /ready answers 200 while serving and the engine's health URL
+    answers 200, 503 from the moment a drain starts. A pod is Ready only when every container is, so this alone
+    takes the pod out of rotation at the drain's start, whatever readiness probe the engine has (or has not): the
+    engine's stays as the user wrote it."""
     return {
         "httpGet": {"path": "/ready", "port": SIDECAR_PORT},
         "periodSeconds": 5,
         "failureThreshold": 1,  # out of rotation at the first 503
     }
+
+
+def _drain_mount() -> Obj:
+    return {"name": SIDECAR, "mountPath": DRAIN_DIR}
 
 
 def sidecar_container(engine_args: list[str], options: Options) -> Obj:
@@ -156,7 +165,7 @@ def sidecar_container(engine_args: list[str], options: Options) -> Obj:
         args += ["--notice-url", options.notice_url]
         if "$(HOST_IP)" in options.notice_url:
             env.append(_field_env("HOST_IP", "status.hostIP"))
-    mounts: list[Obj] = [{"name": SIDECAR, "mountPath": DRAIN_DIR}]
+    mounts: list[Obj] = [_drain_mount()]
     if options.readiness_gate:
         args.append("--readiness-gate")
         env += [_field_env("POD_NAME", "metadata.name"), _field_env("POD_NAMESPACE", "metadata.namespace")]
@@ -207,10 +216,15 @@ def prestop() -> Obj:
 
 
 def _check_free(spec: Obj, engine: Obj, where: str) -> None:
-    """Refuse what injecting would silently break: a preStop of the user's, port 8081 taken, a volume named ours."""
+    """Refuse what injecting would silently break: a preStop of the user's, port 8081 taken, a volume named ours,
+    something else mounted where the handshake's directory goes."""
+    name = engine.get("name")
     pre_stop = section(engine, "lifecycle", where).get("preStop")
     if pre_stop is not None and pre_stop != prestop():
-        raise InjectError(f"{where}: container {engine.get('name')!r} already has a preStop hook; remove it first")
+        raise InjectError(f"{where}: container {name!r} already has a preStop hook; remove it first")
+    for mount in _list_of(engine, "volumeMounts", f"{where} container {name!r}"):
+        if isinstance(mount, dict) and mount.get("mountPath") == DRAIN_DIR and mount != _drain_mount():
+            raise InjectError(f"{where}: container {name!r} already mounts {mount.get('name')!r} at {DRAIN_DIR}")
     for container in containers_of(spec, "containers", where):
         ports = container.get("ports")
         if isinstance(ports, list) and any(
@@ -220,8 +234,8 @@ def _check_free(spec: Obj, engine: Obj, where: str) -> None:
     for volume in _list_of(spec, "volumes", where):
         if isinstance(volume, dict) and volume.get("name") == SIDECAR and "emptyDir" not in volume:
             raise InjectError(f"{where}: a volume named {SIDECAR!r} exists and is not an emptyDir")
-    grace = spec.get("terminationGracePeriodSeconds", 30)
-    if not isinstance(grace, int) or isinstance(grace, bool):
+    grace = spec.get("terminationGracePeriodSeconds")
+    if grace is not None and (not isinstance(grace, int) or isinstance(grace, bool)):
         raise InjectError(f"{where}.terminationGracePeriodSeconds is not a whole number of seconds")
 
 
@@ -251,15 +265,28 @@ def _add_once(items: list[Any], item: Obj, *, key: str) -> None:
 
 
 def _wire_engine(engine: Obj, where: str) -> None:
-    """Readiness through the sidecar, the preStop handshake, and the drain directory mounted."""
-    engine["readinessProbe"] = ready_probe()
+    """The preStop handshake and the drain directory mounted; the engine's probes are left as they are."""
     engine["lifecycle"] = {**section(engine, "lifecycle", where), "preStop": prestop()}
     mounts = _list(engine, "volumeMounts", f"{where} container {engine.get('name')!r}")
-    _add_once(mounts, {"name": SIDECAR, "mountPath": DRAIN_DIR}, key="mountPath")
+    _add_once(mounts, _drain_mount(), key="mountPath")
 
 
-def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> None:
-    """Give one pod spec the sidecar for its ``engine`` container (running ``kind``), in place."""
+def _grace(spec: Obj, options: Options) -> list[str]:
+    """Raise the grace period to what the drain needs; says so when that changes a value the user set."""
+    needed = math.ceil(options.drain_timeout_s) + GRACE_MARGIN_S
+    theirs = spec.get("terminationGracePeriodSeconds")
+    if theirs is not None and theirs >= needed:
+        return []
+    spec["terminationGracePeriodSeconds"] = needed
+    if theirs is None:  # the API server's default, 30 s, was never the user's choice
+        return []
+    why = f"the sidecar's drain timeout ({_number(options.drain_timeout_s)} s) plus {GRACE_MARGIN_S} s for the engine"
+    return [f"terminationGracePeriodSeconds raised from {theirs} to {needed}: {why} to exit"]
+
+
+def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> list[str]:
+    """Give one pod spec the sidecar for its ``engine`` container (running ``kind``), in place; returns each value
+    of the user's it changed, naming the field and its old and new value."""
     spec = target.spec
     _check_free(spec, engine, target.where)
     volumes = _list_of(spec, "volumes", target.where)
@@ -270,11 +297,11 @@ def add_sidecar(target: PodTarget, engine: Obj, kind: str, options: Options) -> 
     _wire_engine(engine, target.where)
     spec["containers"].append(sidecar)
     _add_once(_list(spec, "volumes", target.where), {"name": SIDECAR, "emptyDir": {}}, key="name")
-    needed = math.ceil(options.drain_timeout_s) + GRACE_MARGIN_S
-    spec["terminationGracePeriodSeconds"] = max(spec.get("terminationGracePeriodSeconds", 30), needed)
+    changed = _grace(spec, options)
     if options.readiness_gate:
         _add_once(_list(spec, "readinessGates", target.where), {"conditionType": GATE}, key="conditionType")
         _add_once(spec["volumes"], token_volume(), key="name")
+    return changed
 
 
 def engine_of(container: Obj) -> str | None:
@@ -330,11 +357,31 @@ def _engine_container(target: PodTarget, options: Options) -> tuple[Obj, str] | 
     return container, engine if options.engine == "auto" else options.engine
 
 
-def inject_pod(target: PodTarget, options: Options) -> bool:
-    """Give the pod spec the sidecar, in place; False when it runs no engine or has the sidecar already."""
+def no_engine(target: PodTarget, options: Options) -> str:
+    """Why a pod without the sidecar did not get it: the containers it has (name and image) and the flag to use.
+    Both front ends say it: ``spotdrain inject`` on standard error, the webhook as an AdmissionReview warning."""
+    containers = containers_of(target.spec, "containers", target.where)
+    seen = [f"{c.get('name')} ({c.get('image') or 'no image'})" for c in containers]
+    among = f"among {', '.join(seen)}" if seen else "(the pod has no containers)"
+    if options.container is not None:
+        return f"no container named {options.container!r} (--container) {among}"
+    return f"no vLLM, TGI or SGLang container found {among}; name the engine's with --container NAME"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one pod spec."""
+
+    injected: bool
+    changed: tuple[str, ...] = ()  # values of the user's that injecting changed, each with its old and new value
+    skipped: str | None = None  # why a pod without the sidecar did not get it (None: it has it already)
+
+
+def inject_pod(target: PodTarget, options: Options) -> Outcome:
+    """Give the pod spec the sidecar, in place, unless it runs no engine or has the sidecar already."""
     if has_sidecar(target):
-        return False
+        return Outcome(injected=False)
     picked = _engine_container(target, options)
-    if picked is not None:
-        add_sidecar(target, picked[0], picked[1], options)
-    return picked is not None
+    if picked is None:
+        return Outcome(injected=False, skipped=no_engine(target, options))
+    return Outcome(injected=True, changed=tuple(add_sidecar(target, picked[0], picked[1], options)))

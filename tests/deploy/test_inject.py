@@ -178,10 +178,11 @@ def test_a_vllm_deployment_gets_the_sidecar_probe_prestop_volume_and_grace(
 ) -> None:
     out = _inject(VLLM)
     settings, spec = _sidecar(out, monkeypatch, capsys)
-    engine = spec["containers"][0]
+    engine, sidecar = spec["containers"]
     assert [c["name"] for c in spec["containers"]] == ["vllm", "spotdrain"]
     assert (settings.engine.kind, settings.engine.port, settings.drain.timeout_s) == ("vllm", 8000, 110.0)
-    assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": settings.port}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": settings.port}
+    assert "readinessProbe" not in engine, "the user wrote none"
     assert engine["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", f"{settings.drain.dir}/prestop"]
     assert {"name": "spotdrain", "mountPath": str(settings.drain.dir)} in engine["volumeMounts"]
     assert {"name": "spotdrain", "emptyDir": {}} in spec["volumes"]
