@@ -227,7 +227,7 @@ class Injected:
 def _identity(obj: Obj) -> ObjectId:
     metadata = _metadata(obj)
     namespace = metadata.get("namespace")
-    return str(obj["kind"]), str(namespace) if namespace else None, str(metadata.get("name"))
+    return str(obj.get("kind")), str(namespace) if namespace else None, str(metadata.get("name"))
 
 
 def inject_text(text: str, options: Options) -> Injected:
@@ -240,17 +240,20 @@ def inject_text(text: str, options: Options) -> Injected:
         if obj is None:
             parts.append(document.text)
             continue
-        injected.present.add(_identity(obj))
+        items = obj["items"] if isinstance(obj.get("items"), list) else [obj]
+        injected.present.update(_identity(each) for each in items if isinstance(each, dict))
         if obj["kind"] == "PodDisruptionBudget":
             injected.budgets[_describe(obj)] = section(obj, "spec", "spec").get(POLICY) == ALWAYS_ALLOW
         invalid = [f"{document.name}, {problem}" for problem in invalid_fields(obj)]
         injected.invalid.extend(invalid)
         edited = copy.deepcopy(obj)
-        try:
-            pods = [] if invalid else inject_into(edited, options)
-            injected.containers.update(container_names(obj) if not invalid else ())
-        except InjectError as error:
-            raise InjectError(f"{document.name}, {_describe(obj)}: {error}") from None
+        pods: list[PodResult] = []
+        if not invalid:
+            try:
+                pods = inject_into(edited, options)
+                injected.containers.update(container_names(obj))
+            except InjectError as error:
+                raise InjectError(f"{document.name}, {_describe(obj)}: {error}") from None
         parts.append(_rewrite(document, edited) if any(p.outcome.injected for p in pods) else document.text)
         injected.pods.extend(pods)
     if not injected.present:

@@ -332,6 +332,13 @@ def _gpus(container: Obj, ray_params: Obj, where: str) -> float:
         raise InjectError(f"{where}: a GPU count is not a number") from None
 
 
+def _ray_gpus(target: PodTarget) -> bool:
+    """A Ray pod's Ray container is its first; it runs an engine only where Ray has GPUs to give it."""
+    containers = containers_of(target.spec, "containers", target.where)
+    params = target.ray_params or {}
+    return bool(containers) and _gpus(containers[0], params, target.where) > 0
+
+
 def _engine_container(target: PodTarget, options: Options) -> tuple[Obj, str] | None:
     """The container to put behind the sidecar and its engine; None when the pod runs no engine."""
     containers = containers_of(target.spec, "containers", target.where)
@@ -343,10 +350,8 @@ def _engine_container(target: PodTarget, options: Options) -> tuple[Obj, str] | 
         if engine is None:
             raise InjectError(f"cannot tell the engine of container {options.container!r}; name it with --engine")
         return named[0], engine
-    # A Ray pod's Ray container is its first; it runs an engine only where Ray has GPUs to give it.
     if target.ray_params is not None:
-        ray_gpus = containers and _gpus(containers[0], target.ray_params, target.where) > 0
-        containers = containers[:1] if ray_gpus else []
+        containers = containers[:1] if _ray_gpus(target) else []
     found = [(c, engine) for c in containers if (engine := engine_of(c)) is not None]
     if len(found) > 1:
         names = ", ".join(str(c.get("name")) for c, _ in found)
@@ -365,6 +370,8 @@ def no_engine(target: PodTarget, options: Options) -> str:
     among = f"among {', '.join(seen)}" if seen else "(the pod has no containers)"
     if options.container is not None:
         return f"no container named {options.container!r} (--container) {among}"
+    if target.ray_params is not None and not _ray_gpus(target):
+        return "a Ray group without GPUs (num-gpus, nvidia.com/gpu) runs no engine"
     return f"no vLLM, TGI or SGLang container found {among}; name the engine's with --container NAME"
 
 

@@ -173,3 +173,10 @@ def test_a_pod_without_an_engine_names_its_containers_and_the_flag_that_picks_on
     said = "note: Deployment default/vllm spec.template.spec: not given the sidecar: no vLLM, TGI or SGLang container"
     assert said in err
     assert "among web (nginx:1.27); name the engine's with --container NAME" in err
+
+
+def test_a_ray_group_without_gpus_is_said_to_run_no_engine(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = _run(capsys, tmp_path, RAY)
+    assert code == 0
+    assert "RayCluster llm spec.headGroupSpec.template.spec: not given the sidecar: a Ray group without GPUs" in err
+    assert "added the sidecar to RayCluster llm spec.workerGroupSpecs[0].template.spec" in err
