@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from inject.options import add_options, options_from
-from inject.pods import ALWAYS_ALLOW, POLICY, WITHOUT_POLICY, InjectError, Options
+from inject.spec import ALWAYS_ALLOW, POLICY, WITHOUT_POLICY, InjectError, Options
 from spotdrain.settings import add_switch
 
 if TYPE_CHECKING:

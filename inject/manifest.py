@@ -20,17 +20,8 @@ from typing import Any
 
 import yaml
 
-from inject.pods import (
-    ALWAYS_ALLOW,
-    POLICY,
-    InjectError,
-    Obj,
-    Options,
-    Outcome,
-    PodTarget,
-    inject_pod,
-    section,
-)
+from inject.pods import Outcome, inject_pod
+from inject.spec import ALWAYS_ALLOW, POLICY, InjectError, Obj, Options, PodTarget, section
 from inject.validate import missing_fields
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet")

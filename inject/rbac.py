@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from inject.pods import GATE, Obj
+from inject.spec import GATE, Obj
 
 ROLE = "spotdrain-readiness-gate"
 DEFAULT = "default"

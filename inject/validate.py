@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inject.pods import Obj
+from inject.spec import Obj
 
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"}
 

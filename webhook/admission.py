@@ -18,7 +18,8 @@ import copy
 import json
 from typing import Any
 
-from inject.pods import InjectError, Obj, Options, PodTarget, inject_pod
+from inject.pods import inject_pod
+from inject.spec import InjectError, Obj, Options, PodTarget
 from webhook.patch import diff
 
 API_VERSION = "admission.k8s.io/v1"

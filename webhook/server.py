@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from inject.pods import Options
+from inject.spec import Options
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import probe_app, serve
 from spotdrain.retry import ApiError

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inject.options import add_options, options_from
-from inject.pods import Options
+from inject.spec import Options
 from spotdrain.settings import add_flag, add_switch, port, positive_int, require, seconds
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a Pod is at most what etcd stores (1.5 MiB by default), with room to spare

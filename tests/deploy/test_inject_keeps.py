@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from inject.manifest import inject_text
-from inject.pods import Options
+from inject.spec import Options
 from inject.validate import missing_fields
 from spotdrain.cli import main
 from tests.deploy.manifests import Obj, schema_errors

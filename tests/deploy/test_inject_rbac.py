@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from inject.manifest import inject_text, split_documents
-from inject.pods import Options
 from inject.rbac import gate_objects
+from inject.spec import Options
 from tests.deploy.manifests import grants, schema_errors
 from tests.deploy.test_inject import RAY, VLLM
 from tests.deploy.test_inject_keeps import _run

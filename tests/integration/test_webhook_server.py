@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from prometheus_client import generate_latest
 
-from inject.pods import Options
+from inject.spec import Options
 from simulate.fakes.processes import free_port
 from simulate.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
 from spotdrain.metrics import CollectorRegistry

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inject.manifest import inject_text
-from inject.pods import Options
+from inject.spec import Options
 from webhook.admission import LABEL, BadReview, review
 
 Obj = dict[str, Any]
