@@ -144,6 +144,28 @@ def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _string)
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe loading that refuses a key given twice in one mapping. PyYAML keeps the last one silently, so a document
+    written back would lose the other without a word; kubectl refuses such a document too (``mapping key "x"
+    already defined``). Keys that come from a merge (``<<: *base``) may be overridden, as YAML means them to be."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[tuple[str, str], int] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in seen:
+                    first = seen[(key.tag, key.value)]
+                    problem = f"key {key.value!r} given twice in one mapping (lines {first} and {line})"
+                    raise _DuplicateKey(None, None, problem, key.start_mark)
+                seen[(key.tag, key.value)] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def dump(obj: Obj) -> str:
     return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=2**16, allow_unicode=True)
 
@@ -164,7 +186,9 @@ def _load(document: Document) -> Obj | None:
     if all(_COMMENT.fullmatch(line) for line in document.text.splitlines(keepends=True)):
         return None
     try:
-        obj = yaml.safe_load(document.text)
+        obj = yaml.load(document.text, Loader=_Loader)  # _Loader is a SafeLoader
+    except _DuplicateKey as error:
+        raise InjectError(f"{document.name}: {error.problem}; keep one (kubectl refuses it too)") from None
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise InjectError(f"{document.name}: not YAML: {problem}") from None

@@ -180,3 +180,19 @@ def test_a_ray_group_without_gpus_is_said_to_run_no_engine(capsys: pytest.Captur
     assert code == 0
     assert "RayCluster llm spec.headGroupSpec.template.spec: not given the sidecar: a Ray group without GPUs" in err
     assert "added the sidecar to RayCluster llm spec.workerGroupSpecs[0].template.spec" in err
+
+
+def test_a_key_given_twice_is_refused_rather_than_one_value_dropped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    text = VLLM.replace(
+        "          image: vllm/vllm-openai:v0.11.0\n", "          image: vllm/vllm-openai:v0.11.0\n          image: x\n"
+    )
+    code, out, err = _run(capsys, tmp_path, text)
+    assert (code, out) == (2, "")
+    assert "document 1 (line 1): key 'image' given twice in one mapping (lines 15 and 16); keep one" in err
+
+
+def test_a_key_a_merge_brings_may_be_overridden() -> None:
+    text = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\nbase: &b {a: 1}\ndata:\n  <<: *b\n  a: '2'\n"
+    assert inject_text(text, Options()).text == text
