@@ -48,7 +48,7 @@ def _say(kind: str, text: str) -> None:
     print(f"{PREFIX} {kind}: {text}" if kind else f"{PREFIX} {text}", file=sys.stderr)
 
 
-def _gate_rbac(injected: Injected, options: Options, emit: bool) -> str:
+def _gate_rbac(injected: Injected, options: Options, *, emit: bool) -> str:
     """The gate's RBAC for the injected pods' accounts, as documents to append (none without ``emit``); says on
     standard error what each account still needs."""
     from inject import manifest, rbac
@@ -64,9 +64,13 @@ def _gate_rbac(injected: Injected, options: Options, emit: bool) -> str:
             _say("warning", f"{pod.where}: its ServiceAccount {pod.account!r} must have {needs}")
     if not emit:
         return ""
-    objects = rbac.gate_objects([(pod.namespace, pod.account) for pod in pods], injected.present)
+    accounts = [(pod.namespace, pod.account) for pod in pods]
+    objects = rbac.gate_objects(accounts, injected.present)
     for obj in objects:
         _say("", f"added {obj['kind']} {obj['metadata']['name']} for the readiness gate")
+    for namespace, account in rbac.undefined_accounts(accounts, injected.present):
+        name = f"{namespace}/{account}" if namespace else account
+        _say("note", f"the RoleBinding binds ServiceAccount {name}, which the input does not define: it must exist")
     return manifest.documents(objects, after=injected.text)
 
 
@@ -108,6 +112,6 @@ def main(args: argparse.Namespace) -> int:
         _say("error" if args.strict else "warning", problem + ("" if args.strict else "; left as it is"))
     if injected.invalid and args.strict:
         return 2
-    sys.stdout.write(injected.text + _gate_rbac(injected, options, args.gate_rbac))
+    sys.stdout.write(injected.text + _gate_rbac(injected, options, emit=args.gate_rbac))
     _report(injected)
     return 0
