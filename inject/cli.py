@@ -48,30 +48,35 @@ def _say(kind: str, text: str) -> None:
     print(f"{PREFIX} {kind}: {text}" if kind else f"{PREFIX} {text}", file=sys.stderr)
 
 
-def _gate_rbac(injected: Injected, options: Options, *, emit: bool) -> str:
-    """The gate's RBAC for the injected pods' accounts, as documents to append (none without ``emit``); says on
-    standard error what each account still needs."""
+Said = tuple[str, str]  # a kind ("warning", "note" or "") and what to say on standard error
+
+
+def _gate_rbac(injected: Injected, options: Options, *, emit: bool) -> tuple[str, list[Said]]:
+    """The gate's RBAC for the injected pods' accounts, as documents to append (none without ``emit``), and what to
+    say of what each account still needs."""
     from inject import manifest, rbac
 
     if not options.readiness_gate:
-        return ""
+        return "", []
+    said: list[Said] = []
     pods = [pod for pod in injected.pods if pod.outcome.injected]
     for pod in pods:
         if pod.account == rbac.DEFAULT:
-            _say("warning", rbac.default_account_advice(pod.where))
+            said.append(("warning", rbac.default_account_advice(pod.where)))
         elif not emit:
             needs = "patch on pods/status (the readiness gate; --gate-rbac prints a Role and RoleBinding for it)"
-            _say("warning", f"{pod.where}: its ServiceAccount {pod.account!r} must have {needs}")
+            said.append(("warning", f"{pod.where}: its ServiceAccount {pod.account!r} must have {needs}"))
     if not emit:
-        return ""
+        return "", said
     accounts = [(pod.namespace, pod.account) for pod in pods]
     objects = rbac.gate_objects(accounts, injected.present)
-    for obj in objects:
-        _say("", f"added {obj['kind']} {obj['metadata']['name']} for the readiness gate")
+    said += [("", f"added {obj['kind']} {obj['metadata']['name']} for the readiness gate") for obj in objects]
     for namespace, account in rbac.undefined_accounts(accounts, injected.present):
         name = f"{namespace}/{account}" if namespace else account
-        _say("note", f"the RoleBinding binds ServiceAccount {name}, which the input does not define: it must exist")
-    return manifest.documents(objects, after=injected.text)
+        said.append(
+            ("note", f"the RoleBinding binds ServiceAccount {name}, which the input does not define: it must exist")
+        )
+    return manifest.documents(objects, after=injected.text), said
 
 
 def _report(injected: Injected) -> None:
@@ -112,6 +117,9 @@ def main(args: argparse.Namespace) -> int:
         _say("error" if args.strict else "warning", problem + ("" if args.strict else "; left as it is"))
     if injected.invalid and args.strict:
         return 2
-    sys.stdout.write(injected.text + _gate_rbac(injected, options, emit=args.gate_rbac))
+    rbac, said = _gate_rbac(injected, options, emit=args.gate_rbac)
+    sys.stdout.write(injected.text + rbac)
     _report(injected)
+    for kind, text in said:
+        _say(kind, text)
     return 0
