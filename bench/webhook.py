@@ -35,7 +35,6 @@ def labelled_pod() -> dict[str, Any]:
     spec["containers"] = [c for c in spec["containers"] if c["name"] != "spotdrain"]
     for container in spec["containers"]:
         container.pop("lifecycle", None)
-        container.pop("readinessProbe", None)
         container["volumeMounts"] = [m for m in container.get("volumeMounts", []) if m["name"] != "spotdrain"]
     spec["volumes"] = [v for v in spec.get("volumes", []) if v["name"] not in ("spotdrain", "spotdrain-token")]
     spec.pop("readinessGates", None)

@@ -13,22 +13,16 @@ more than a preserved comment in a document that might not be.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from inject.pods import (
-    ALWAYS_ALLOW,
-    POLICY,
-    InjectError,
-    Obj,
-    Options,
-    PodTarget,
-    inject_pod,
-    section,
-)
+from inject.pods import Outcome, inject_pod
+from inject.spec import ALWAYS_ALLOW, POLICY, InjectError, Obj, Options, PodTarget, section
+from inject.validate import missing_fields
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet")
 RAY_KINDS = ("RayCluster", "RayService")
@@ -95,12 +89,37 @@ def _ray_target(group: Obj, where: str) -> PodTarget:
     return PodTarget(_mapping(template.get("spec"), f"{where}.template.spec"), f"{where}.template.spec", params)
 
 
-def inject_into(obj: Obj, options: Options) -> list[str]:
-    """Inject into every pod spec of ``obj`` (a ``List``'s items too), in place; returns where it changed."""
+@dataclass(frozen=True)
+class PodResult:
+    """What became of one pod spec of the input, and who the pods it makes run as."""
+
+    where: str  # "Deployment default/vllm spec.template.spec"
+    outcome: Outcome
+    namespace: str | None  # None: the namespace it is applied in
+    account: str  # its serviceAccountName; "default" when it names none
+
+
+def _account(spec: Obj) -> str:
+    # serviceAccount is the field's deprecated alias, still honoured when serviceAccountName is unset.
+    return str(spec.get("serviceAccountName") or spec.get("serviceAccount") or "default")
+
+
+def inject_into(obj: Obj, options: Options) -> list[PodResult]:
+    """Inject into every pod spec of ``obj`` (a ``List``'s items too), in place; returns what became of each."""
     if isinstance(obj.get("items"), list):  # kind: List, as `kubectl get -o yaml` prints
         items = [_mapping(item, f"items[{i}]") for i, item in enumerate(obj["items"])]
-        return [f"items[{i}].{where}" for i, item in enumerate(items) for where in inject_into(item, options)]
-    return [target.where for target in pod_targets(obj) if inject_pod(target, options)]
+        return [result for item in items for result in inject_into(item, options)]
+    namespace = _metadata(obj).get("namespace")
+    where, ns = _describe(obj), str(namespace) if namespace else None
+    return [PodResult(f"{where} {t.where}", inject_pod(t, options), ns, _account(t.spec)) for t in pod_targets(obj)]
+
+
+def invalid_fields(obj: Obj) -> list[str]:
+    """The required fields ``obj`` (or a ``List``'s items) lacks, each with the object it belongs to."""
+    if isinstance(obj.get("items"), list):
+        return [f for i, item in enumerate(obj["items"]) if isinstance(item, dict) for f in invalid_fields(item)]
+    kind = f"{obj.get('apiVersion')} {obj.get('kind')}"
+    return [f"{_describe(obj)}: {field} is missing: not a valid {kind}" for field in missing_fields(obj)]
 
 
 def container_names(obj: Obj) -> set[str]:
@@ -125,14 +144,39 @@ def _string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _string)
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _Loader(yaml.SafeLoader):
+    """Safe loading that refuses a key given twice in one mapping. PyYAML keeps the last one silently, so a document
+    written back would lose the other without a word; kubectl refuses such a document too (``mapping key "x"
+    already defined``). Keys that come from a merge (``<<: *base``) may be overridden, as YAML means them to be."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[tuple[str, str], int] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in seen:
+                    first = seen[(key.tag, key.value)]
+                    problem = f"key {key.value!r} given twice in one mapping (lines {first} and {line})"
+                    raise _DuplicateKey(None, None, problem, key.start_mark)
+                seen[(key.tag, key.value)] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def dump(obj: Obj) -> str:
     return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=2**16, allow_unicode=True)
 
 
-def _describe(obj: Obj) -> str:
+def _metadata(obj: Obj) -> Obj:
     metadata = obj.get("metadata")
-    if not isinstance(metadata, dict):
-        metadata = {}
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _describe(obj: Obj) -> str:
+    metadata = _metadata(obj)
     name = "/".join(str(part) for part in (metadata.get("namespace"), metadata.get("name")) if part)
     return f"{obj.get('kind')} {name}".strip()
 
@@ -142,7 +186,9 @@ def _load(document: Document) -> Obj | None:
     if all(_COMMENT.fullmatch(line) for line in document.text.splitlines(keepends=True)):
         return None
     try:
-        obj = yaml.safe_load(document.text)
+        obj = yaml.load(document.text, Loader=_Loader)  # _Loader is a SafeLoader
+    except _DuplicateKey as error:
+        raise InjectError(f"{document.name}: {error.problem}; keep one (kubectl refuses it too)") from None
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise InjectError(f"{document.name}: not YAML: {problem}") from None
@@ -174,39 +220,66 @@ def _rewrite(document: Document, obj: Obj) -> str:
     return before + dump(obj).replace("\n", newline) + "".join(lines[tail:])
 
 
+ObjectId = tuple[str, str | None, str]  # kind, namespace, name
+
+
 @dataclass(frozen=True)
 class Injected:
     text: str
-    changed: list[str]  # "Deployment inference/vllm spec.template.spec", one per pod spec given the sidecar
+    pods: list[PodResult]  # every pod spec of a valid workload, injected or not
     containers: set[str]  # every container name seen in a workload
-    budgets: dict[
-        str, bool
-    ]  # each PodDisruptionBudget in the input: does it say unhealthyPodEvictionPolicy: AlwaysAllow
+    # Each PodDisruptionBudget in the input: does it say unhealthyPodEvictionPolicy: AlwaysAllow
+    budgets: dict[str, bool]
+    invalid: list[str]  # "document 2 (line 9), Deployment x: spec.selector is missing: ...", each left as it was
+    present: set[ObjectId]  # every object of the input
+
+    @property
+    def changed(self) -> list[str]:
+        """Where the sidecar was added: "Deployment inference/vllm spec.template.spec", one per pod spec."""
+        return [pod.where for pod in self.pods if pod.outcome.injected]
+
+
+def _identity(obj: Obj) -> ObjectId:
+    metadata = _metadata(obj)
+    namespace = metadata.get("namespace")
+    return str(obj.get("kind")), str(namespace) if namespace else None, str(metadata.get("name"))
 
 
 def inject_text(text: str, options: Options) -> Injected:
-    """Inject into every workload of a YAML stream; raises InjectError naming the first document it cannot read."""
+    """Inject into every valid workload of a YAML stream; raises InjectError naming the first document it cannot
+    read. An object that lacks a required field is left as it is, and named in ``invalid``."""
     parts: list[str] = []
-    changed: list[str] = []
-    containers: set[str] = set()
-    budgets: dict[str, bool] = {}
-    objects = 0
+    injected = Injected("", [], set(), {}, [], set())
     for document in split_documents(text):
         obj = _load(document)
         if obj is None:
             parts.append(document.text)
             continue
-        objects += 1
+        items = obj["items"] if isinstance(obj.get("items"), list) else [obj]
+        injected.present.update(_identity(each) for each in items if isinstance(each, dict))
         if obj["kind"] == "PodDisruptionBudget":
-            budgets[_describe(obj)] = section(obj, "spec", "spec").get(POLICY) == ALWAYS_ALLOW
+            injected.budgets[_describe(obj)] = section(obj, "spec", "spec").get(POLICY) == ALWAYS_ALLOW
+        invalid = [f"{document.name}, {problem}" for problem in invalid_fields(obj)]
+        injected.invalid.extend(invalid)
         edited = copy.deepcopy(obj)
-        try:
-            where = inject_into(edited, options)
-            containers |= container_names(obj)
-        except InjectError as error:
-            raise InjectError(f"{document.name}, {_describe(obj)}: {error}") from None
-        parts.append(_rewrite(document, edited) if where else document.text)
-        changed += [f"{_describe(obj)} {place}" for place in where]
-    if not objects:
+        pods: list[PodResult] = []
+        if not invalid:
+            try:
+                pods = inject_into(edited, options)
+                injected.containers.update(container_names(obj))
+            except InjectError as error:
+                raise InjectError(f"{document.name}, {_describe(obj)}: {error}") from None
+        parts.append(_rewrite(document, edited) if any(p.outcome.injected for p in pods) else document.text)
+        injected.pods.extend(pods)
+    if not injected.present:
         raise InjectError("the input holds no Kubernetes object")
-    return Injected("".join(parts), changed, containers, budgets)
+    return dataclasses.replace(injected, text="".join(parts))
+
+
+def documents(objects: list[Obj], *, after: str) -> str:
+    """``objects`` as YAML documents to append to the stream ``after``; empty for none."""
+    if not objects:
+        return ""
+    newline = "\r\n" if "\r\n" in after else "\n"
+    start = "" if not after or after.endswith(("\n", "\r")) else newline
+    return start + "".join(("---" + newline + dump(obj).replace("\n", newline)) for obj in objects)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from inject.pods import DEFAULT_IMAGE, DEFAULT_NOTICE_URL, ENGINE_PORTS, Options
+from inject.spec import DEFAULT_IMAGE, DEFAULT_NOTICE_URL, ENGINE_PORTS, Options
 from spotdrain.settings import add_flag, add_switch, require, seconds
 
 

@@ -50,7 +50,7 @@ class Kubelet:
         self._spawn(self._exits(pod), name=f"exits-{pod.name}")
 
     def probed(self, name: str, ready: bool) -> None:
-        """A readiness probe of ``name`` changed its answer (the engine's probe is the sidecar's ``/ready``): the
+        """A readiness probe of ``name`` changed its answer (the sidecar's probe is its ``/ready``): the
         pod's ContainersReady, and so its Ready condition, follow, as its disruption budget sees them."""
         pod = self.pods.get(name)
         if pod is not None and not pod.removed:

@@ -7,7 +7,8 @@ apiserver-admission.v1/): the response repeats the request's ``uid``, says ``all
 that created the object (kubectl prints them); the API server may truncate one past 256 characters.
 
 A Pod is never denied: one this cannot inject is admitted as it came, with a warning that says why, so the
-webhook can only ever add the sidecar, never block a deployment.
+webhook can only ever add the sidecar, never block a deployment. A value of the Pod's that injecting changes (a
+grace period too short for the drain) is named in a warning too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import copy
 import json
 from typing import Any
 
-from inject.pods import InjectError, Obj, Options, PodTarget, containers_of, has_sidecar, inject_pod
+from inject.pods import inject_pod
+from inject.spec import InjectError, Obj, Options, PodTarget
 from webhook.patch import diff
 
 API_VERSION = "admission.k8s.io/v1"
@@ -72,15 +74,12 @@ def wants_sidecar(pod: Obj) -> bool:
     return label is None or label == "true"
 
 
-def _not_found(pod: Obj, options: Options) -> str:
-    names = [str(c.get("name")) for c in containers_of(pod["spec"], "containers", "spec")]
-    if options.container is not None:
-        return f"no container named {options.container!r} (the webhook's --container) among {', '.join(names)}"
-    return f"no engine container found among {', '.join(names) or 'no containers'} (vLLM, TGI or SGLang by image)"
+NOT_ADDED = "spotdrain: the sidecar was not added: "
 
 
 def mutate(request: Obj, options: Options) -> tuple[list[Obj], list[str]]:
-    """The patch that gives the request's Pod the sidecar, and the warnings to show; both empty to leave it be."""
+    """The patch that gives the request's Pod the sidecar, and the warnings to show; both empty to leave it be.
+    Warnings without a patch say why the Pod was left as it came; with one, what of the Pod's it changed."""
     pod = request.get("object")
     if request.get("operation", "CREATE") != "CREATE" or not isinstance(pod, dict) or pod.get("kind") != "Pod":
         return [], []
@@ -91,14 +90,12 @@ def mutate(request: Obj, options: Options) -> tuple[list[Obj], list[str]]:
         spec = after.get("spec")
         if not isinstance(spec, dict):
             raise InjectError("spec is not a mapping")
-        target = PodTarget(spec, "spec")
-        if has_sidecar(target):
-            return [], []
-        if not inject_pod(target, options):
-            return [], [f"spotdrain: the sidecar was not added: {_not_found(pod, options)}"]
+        outcome = inject_pod(PodTarget(spec, "spec"), options)
     except InjectError as error:
-        return [], [f"spotdrain: the sidecar was not added: {error}"]
-    return diff(pod, after), []
+        return [], [NOT_ADDED + str(error)]
+    if not outcome.injected:
+        return [], [NOT_ADDED + outcome.skipped] if outcome.skipped else []
+    return diff(pod, after), [f"spotdrain: {change}" for change in outcome.changed]
 
 
 def review(body: bytes, options: Options) -> Obj:

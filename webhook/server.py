@@ -1,7 +1,8 @@
-"""``spotdrain webhook``: serve ``POST /mutate`` and ``GET /healthz`` over HTTPS until SIGTERM.
+"""``spotdrain webhook``: serve ``POST /mutate`` and ``GET /healthz`` over HTTPS, and ``/metrics`` over plain HTTP
+on a port of its own (Prometheus scrapes it without the webhook's CA), until SIGTERM.
 
-The answer is ``webhook.admission``'s; this module reads the body (bounded in size and time), logs what was done,
-and never lets an unforeseen error deny a Pod: the API server is told to admit it unchanged.
+The answer is ``webhook.admission``'s; this module reads the body (bounded in size and time), logs and counts what
+was done, and never lets an unforeseen error deny a Pod: the API server is told to admit it unchanged.
 """
 
 from __future__ import annotations
@@ -11,18 +12,21 @@ import asyncio
 import json
 import signal
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
 import structlog
 from aiohttp import web
 
-from inject.pods import Options
-from spotdrain.probes import serve
+from inject.spec import Options
+from spotdrain.metrics import CollectorRegistry
+from spotdrain.probes import probe_app, serve
 from spotdrain.retry import ApiError
 from spotdrain.settings import SettingsError, log_effective
 from spotdrain.tasks import Role, Supervisor, on_signals
 from webhook.admission import BadReview, answer, mutate, parse
+from webhook.metrics import WebhookMetrics, outcome_of
 from webhook.settings import WebhookSettings, from_arguments
 
 log = structlog.get_logger()
@@ -47,19 +51,32 @@ def _pod_name(request: dict[str, Any]) -> str | None:
     return str(name) if name else None
 
 
-def webhook_app(options: Options, *, max_body_bytes: int, read_timeout_s: float) -> web.Application:
-    """The app: ``/mutate`` answers AdmissionReviews (400 for anything else), ``/healthz`` says ok."""
+def webhook_app(
+    options: Options, *, metrics: WebhookMetrics, max_body_bytes: int, read_timeout_s: float
+) -> web.Application:
+    """The app: ``/mutate`` answers AdmissionReviews (4xx for anything else), ``/healthz`` says ok; each answer of
+    ``/mutate`` is counted by outcome and timed."""
 
     async def mutate_handler(request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        outcome = "bad_request"  # until an answer says otherwise: a 413 from the body's read is one too
+        try:
+            response, outcome = await admit(request)
+            return response
+        finally:
+            metrics.admissions.labels(outcome=outcome).inc()
+            metrics.duration.observe(time.perf_counter() - started)
+
+    async def admit(request: web.Request) -> tuple[web.Response, str]:
         try:
             body = await _read(request, read_timeout_s)
             review = parse(body)
         except TimeoutError:
             log.warning("webhook.bad_request", reason="body not read in time")
-            return _json({"error": "request body not read in time"}, status=408)
+            return _json({"error": "request body not read in time"}, status=408), "bad_request"
         except BadReview as error:
             log.warning("webhook.bad_request", reason=str(error))
-            return _json({"error": str(error)}, status=400)
+            return _json({"error": str(error)}, status=400), "bad_request"
         uid = review["uid"]
         try:
             patch, warnings = mutate(review, options)
@@ -74,7 +91,7 @@ def webhook_app(options: Options, *, max_body_bytes: int, read_timeout_s: float)
             injected=bool(patch),
             warnings=warnings,
         )
-        return _json(answer(uid, patch=patch, warnings=warnings))
+        return _json(answer(uid, patch=patch, warnings=warnings)), outcome_of(patch, warnings)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -83,6 +100,10 @@ def webhook_app(options: Options, *, max_body_bytes: int, read_timeout_s: float)
     app.router.add_post("/mutate", mutate_handler)
     app.router.add_get("/healthz", healthz)
     return app
+
+
+async def _serving() -> tuple[bool, str]:
+    return True, "ok"  # the metrics port answers only while the process runs; /healthz is what the probes ask
 
 
 def ssl_context(settings: WebhookSettings) -> ssl.SSLContext:
@@ -122,14 +143,23 @@ async def run(settings: WebhookSettings, *, ready_flag: asyncio.Event | None = N
             return 1
     stop = asyncio.Event()
     on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
-    app = webhook_app(settings.inject, max_body_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
+    registry = CollectorRegistry()
+    metrics = WebhookMetrics.create(registry)
+    app = webhook_app(
+        settings.inject,
+        metrics=metrics,
+        max_body_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.read_timeout_s,
+    )
     context = ssl_context(settings)
     tls = settings.tls
     server = serve(
         app, host=settings.host, port=settings.port, ready_flag=ready_flag, name="webhook", ssl_context=context
     )
+    metrics_app = probe_app(registry, ready=_serving)
     roles: list[Role] = [
         ("webhook_server", server),
+        ("metrics_server", serve(metrics_app, host=settings.host, port=settings.metrics_port, name="metrics")),
         (
             "certificate_reloader",
             certificate_reloader(context, tls.cert, tls.key, interval_s=tls.reload_interval_s),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inject.options import add_options, options_from
-from inject.pods import Options
+from inject.spec import Options
 from spotdrain.settings import add_flag, add_switch, port, positive_int, require, seconds
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a Pod is at most what etcd stores (1.5 MiB by default), with room to spare
@@ -31,6 +31,7 @@ class TlsSettings:
 class WebhookSettings:
     host: str
     port: int
+    metrics_port: int
     tls: TlsSettings
     inject: Options
     max_body_bytes: int
@@ -38,8 +39,9 @@ class WebhookSettings:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--host", default="0.0.0.0", help="address for /mutate and /healthz (HTTPS)")
+    add_flag(parser, "--host", default="0.0.0.0", help="address for /mutate and /healthz (HTTPS) and /metrics")
     add_flag(parser, "--port", convert=port, default=8443, help="port for /mutate and /healthz (HTTPS)")
+    add_flag(parser, "--metrics-port", convert=port, default=9090, help="port for /metrics (plain HTTP)")
     add_flag(parser, "--tls-cert", convert=Path, help="serving certificate (PEM); written there when self-managed")
     add_flag(parser, "--tls-key", convert=Path, help="its private key (PEM); written there when self-managed")
     add_flag(
@@ -70,6 +72,7 @@ def from_arguments(args: argparse.Namespace) -> WebhookSettings:
     require(args.tls_cert is not None and args.tls_key is not None, "--tls-cert and --tls-key are both needed")
     require(args.read_timeout > 0, "--read-timeout must be above 0 seconds")
     require(args.tls_reload_interval > 0, "--tls-reload-interval must be above 0 seconds")
+    require(args.metrics_port != args.port, "--metrics-port must differ from --port")
     if args.self_managed_tls:
         require(bool(args.namespace), "--self-managed-tls needs --namespace (or POD_NAMESPACE)")
     tls = TlsSettings(
@@ -85,6 +88,7 @@ def from_arguments(args: argparse.Namespace) -> WebhookSettings:
     return WebhookSettings(
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
         tls=tls,
         inject=options_from(args),
         max_body_bytes=args.max_body,

@@ -143,7 +143,7 @@ def _projected_path(source: Obj) -> str:
 
 
 @pytest.mark.parametrize("directory", ["deploy/vllm", "deploy/kuberay"])
-def test_the_engine_is_probed_and_stopped_through_the_sidecar(
+def test_the_pod_leaves_rotation_and_the_engine_stops_through_the_sidecar(
     directory: str, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
     objects = render(directory)
@@ -152,9 +152,15 @@ def test_the_engine_is_probed_and_stopped_through_the_sidecar(
     for template, sidecar in pods:
         settings = _sidecar_settings(template, sidecar, objects, monkeypatch, capsys)
         engine = _engine(template)
-        probe = engine["readinessProbe"]["httpGet"]
-        assert (probe["path"], http_port(template, engine, probe["port"])) == ("/ready", settings.port)
-        assert sidecar["readinessProbe"]["httpGet"]["path"] == "/ready"
+        # The pod is Ready only when every container is: the sidecar's own /ready takes it out of rotation, and the
+        # engine's probe (if any) is the user's, never the sidecar's.
+        probe = sidecar["readinessProbe"]
+        assert (probe["httpGet"]["path"], http_port(template, sidecar, probe["httpGet"]["port"])) == (
+            "/ready",
+            settings.port,
+        )
+        assert probe["failureThreshold"] == 1
+        assert engine.get("readinessProbe", {}).get("httpGet", {}).get("path") != "/ready"
         assert sidecar["livenessProbe"]["httpGet"]["path"] == "/live"
         assert http_port(template, sidecar, sidecar["livenessProbe"]["httpGet"]["port"]) == settings.port
         assert engine["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", f"{settings.drain.dir}/prestop"]

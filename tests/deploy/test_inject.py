@@ -12,9 +12,9 @@ import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from inject import pods
+from inject import spec
 from inject.manifest import inject_text, split_documents
-from inject.pods import InjectError, Options
+from inject.spec import InjectError, Options
 from sidecar.engines import ENGINES
 from sidecar.gate import CONDITION
 from sidecar.settings import SidecarSettings
@@ -164,11 +164,11 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 def test_inject_uses_the_names_the_sidecar_and_the_agent_use() -> None:
     sidecar, node = build_parser().parse_args(["sidecar"]), build_parser().parse_args(["node", "--node-name", "n"])
-    assert (sidecar.port, str(sidecar.drain_dir), CONDITION) == (pods.SIDECAR_PORT, pods.DRAIN_DIR, pods.GATE)
+    assert (sidecar.port, str(sidecar.drain_dir), CONDITION) == (spec.SIDECAR_PORT, spec.DRAIN_DIR, spec.GATE)
     assert Options().drain_timeout_s == sidecar.drain_timeout
-    assert f"http://$(HOST_IP):{node.notice_port}/v1/notice" == pods.DEFAULT_NOTICE_URL
+    assert f"http://$(HOST_IP):{node.notice_port}/v1/notice" == spec.DEFAULT_NOTICE_URL
     vllm = ENGINES["vllm"]
-    assert pods.RAY_VLLM_IN_FLIGHT.split(",") == [
+    assert spec.RAY_VLLM_IN_FLIGHT.split(",") == [
         "ray_" + n.replace(":", "_") for n in (*vllm.required, *vllm.optional)
     ]
 
@@ -178,10 +178,11 @@ def test_a_vllm_deployment_gets_the_sidecar_probe_prestop_volume_and_grace(
 ) -> None:
     out = _inject(VLLM)
     settings, spec = _sidecar(out, monkeypatch, capsys)
-    engine = spec["containers"][0]
+    engine, sidecar = spec["containers"]
     assert [c["name"] for c in spec["containers"]] == ["vllm", "spotdrain"]
     assert (settings.engine.kind, settings.engine.port, settings.drain.timeout_s) == ("vllm", 8000, 110.0)
-    assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": settings.port}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": settings.port}
+    assert "readinessProbe" not in engine, "the user wrote none"
     assert engine["lifecycle"]["preStop"]["exec"]["command"] == ["/bin/sh", f"{settings.drain.dir}/prestop"]
     assert {"name": "spotdrain", "mountPath": str(settings.drain.dir)} in engine["volumeMounts"]
     assert {"name": "spotdrain", "emptyDir": {}} in spec["volumes"]

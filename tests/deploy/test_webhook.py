@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.kube_store import MUTATING_WEBHOOKS
+from spotdrain.metrics import CollectorRegistry
 from tests.deploy.manifests import (
+    DEPLOY,
     Obj,
     grants,
     invocations,
@@ -23,15 +27,18 @@ from tests.deploy.manifests import (
     parse,
     pod_templates,
     render,
+    schema_errors,
     selects,
 )
 from webhook.admission import LABEL, wants_sidecar
+from webhook.metrics import WebhookMetrics
 from webhook.selfmanaged import provision
 from webhook.server import webhook_app
 from webhook.settings import WebhookSettings
 
 MODES = ("deploy/webhook/self-managed", "deploy/webhook/cert-manager")
 NAMESPACE, ACCOUNT = "spotdrain", "spotdrain-webhook"
+METRICS = WebhookMetrics.create(CollectorRegistry())
 
 
 def _settings(objects: list[Obj], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> WebhookSettings:
@@ -74,7 +81,7 @@ def test_the_configuration_calls_the_service_port_and_path_the_webhook_serves(
     settings = _settings(objects, monkeypatch, capsys)
     routes = {
         (r.method, r.resource.canonical)
-        for r in webhook_app(settings.inject, max_body_bytes=1, read_timeout_s=1).router.routes()
+        for r in webhook_app(settings.inject, metrics=METRICS, max_body_bytes=1, read_timeout_s=1).router.routes()
         if r.resource
     }
     for hook in _configuration(objects)["webhooks"]:
@@ -205,3 +212,28 @@ async def test_the_self_managed_rbac_grants_exactly_the_calls_it_makes(
         kube.store.create(MUTATING_WEBHOOKS, None, _configuration(objects))
         await provision(tls, serviceaccount_dir=kube.serviceaccount_dir(tmp_path / "sa", namespace=NAMESPACE))
         assert needed(kube.calls, granted) == granted
+
+
+def test_the_monitoring_component_scrapes_the_plain_http_port_that_serves_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    # A user's overlay, as the component's comment tells one to write (kustomize wants relative paths).
+    webhook = os.path.relpath(DEPLOY / "webhook", tmp_path)
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [f"{webhook}/self-managed"],
+        "components": [f"{webhook}/components/monitoring"],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    objects = render(str(tmp_path))
+    monitor = one(objects, "PodMonitor", "spotdrain-webhook")
+    assert schema_errors(monitor) == []
+    settings = _settings(objects, monkeypatch, capsys)
+    template = _template(objects)
+    assert monitor["metadata"]["namespace"] == one(objects, "Deployment", "spotdrain-webhook")["metadata"]["namespace"]
+    assert selects(monitor["spec"]["selector"], template.labels)
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for p in template.container("webhook")["ports"]}
+    assert (endpoint["path"], ports[endpoint["port"]]) == ("/metrics", settings.metrics_port)
+    assert "scheme" not in endpoint, "plain HTTP: Prometheus needs no CA"

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from simulate.fakes.processes import free_port, start
+from simulate.fakes.processes import free_port, start, status_of
 from simulate.fakes.tls import write_tls_files
 from tests.unit.test_webhook_admission import admission_review, patched, vllm_pod
 from webhook.admission import LABEL
@@ -34,9 +34,9 @@ async def _healthy(url: str, context: ssl.SSLContext, *, timeout_s: float = 20) 
 
 async def test_the_process_serves_mutate_with_its_flags_and_exits_zero_on_sigterm(tmp_path: Path) -> None:
     files = write_tls_files(tmp_path / "tls")
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     args = ["-m", "spotdrain.cli", "--log-format", "json", "webhook", "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--tls-cert", str(files.cert_path), "--drain-timeout", "300"]
+    args += ["--tls-cert", str(files.cert_path), "--drain-timeout", "300", "--metrics-port", str(metrics_port)]
     env = {"SPOTDRAIN_TLS_KEY": str(files.key_path), "SPOTDRAIN_SIDECAR_IMAGE": "registry.local/sidecar:2"}
     process = await start(args, log_path=tmp_path / "webhook.log", env=env)
     try:
@@ -49,6 +49,10 @@ async def test_the_process_serves_mutate_with_its_flags_and_exits_zero_on_sigter
         sidecar = patched(vllm_pod({LABEL: "true"}), answer)["spec"]["containers"][1]
         assert sidecar["image"] == "registry.local/sidecar:2"
         assert "300" in sidecar["args"]
+        status, page = await status_of(f"http://127.0.0.1:{metrics_port}/metrics")  # plain HTTP, its own port
+        assert status == 200
+        assert 'spotdrain_webhook_admissions_total{outcome="mutated"} 1.0' in page
+        assert "spotdrain_webhook_admission_duration_seconds_count 1.0" in page
     finally:
         process.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(process.wait(), 15)

@@ -14,7 +14,7 @@ import yaml
 from structlog.testing import capture_logs
 
 from inject.manifest import inject_text
-from inject.pods import Options
+from inject.spec import Options
 from simulate.fakes.engine import EngineConfig
 from simulate.fakes.kube import FakeKube
 from spotdrain.kube_rest import InCluster, patch

@@ -1,5 +1,6 @@
 """The webhook server over real TLS on 127.0.0.1: a client that verifies its certificate against the CA, as the
-API server does with the configuration's caBundle, gets AdmissionReviews back; bad bodies get 4xx, never a hang."""
+API server does with the configuration's caBundle, gets AdmissionReviews back; bad bodies get 4xx, never a hang;
+every answer is counted by outcome and timed."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client import generate_latest
 
-from inject.pods import Options
+from inject.spec import Options
 from simulate.fakes.processes import free_port
 from simulate.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
+from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import serve
+from tests.integration.test_metrics_pages import PROMTOOL, promtool_problems
 from tests.unit.test_webhook_admission import admission_review, vllm_pod
 from webhook import server
 from webhook.admission import LABEL
+from webhook.metrics import OUTCOMES, WebhookMetrics
 from webhook.server import webhook_app
 
 READ_TIMEOUT_S = 0.5
@@ -32,12 +37,22 @@ class Webhook:
     client_ssl: ssl.SSLContext
     files: TlsFiles
     server_ssl: ssl.SSLContext
+    registry: CollectorRegistry
+
+    def admissions(self) -> dict[str, float]:
+        sample = self.registry.get_sample_value
+        return {o: sample("spotdrain_webhook_admissions_total", {"outcome": o}) or 0 for o in OUTCOMES}
+
+    def timed(self) -> float:
+        return self.registry.get_sample_value("spotdrain_webhook_admission_duration_seconds_count") or 0
 
 
 @pytest.fixture
 async def webhook(tmp_path: Path) -> AsyncIterator[Webhook]:
     files = write_tls_files(tmp_path / "tls")
-    app = webhook_app(Options(), max_body_bytes=64 * 1024, read_timeout_s=READ_TIMEOUT_S)
+    registry = CollectorRegistry()
+    metrics = WebhookMetrics.create(registry)
+    app = webhook_app(Options(), metrics=metrics, max_body_bytes=64 * 1024, read_timeout_s=READ_TIMEOUT_S)
     listening = asyncio.Event()
     port = free_port()
     context = server_ssl_context(files)
@@ -47,7 +62,7 @@ async def webhook(tmp_path: Path) -> AsyncIterator[Webhook]:
     await asyncio.wait_for(listening.wait(), 10)
     try:
         client = ssl.create_default_context(cafile=str(files.ca_path))
-        yield Webhook(f"https://127.0.0.1:{port}", client, files, context)
+        yield Webhook(f"https://127.0.0.1:{port}", client, files, context, registry)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -179,3 +194,37 @@ async def test_a_renewed_certificate_is_served_to_new_connections_without_a_rest
 async def _healthz(url: str, context: ssl.SSLContext) -> None:
     async with aiohttp.ClientSession() as session, session.get(url + "/healthz", ssl=context) as response:
         assert response.status == 200
+
+
+async def test_each_answer_is_counted_under_its_outcome_and_timed(webhook: Webhook) -> None:
+    assert webhook.admissions() == dict.fromkeys(OUTCOMES, 0), "every series exists from start"
+    no_engine = vllm_pod({LABEL: "true"})
+    no_engine["spec"]["containers"] = [{"name": "web", "image": "nginx:1.27"}]
+    bodies = [
+        admission_review(vllm_pod({LABEL: "true"})),  # mutated
+        admission_review(vllm_pod({LABEL: "false"})),  # unchanged: it declines
+        admission_review(no_engine),  # skipped, with a warning
+        b"garbage",  # 400
+        b" " * (64 * 1024 + 1),  # 413
+    ]
+    statuses = [(await _post(webhook, body))[0] for body in bodies]
+    assert statuses == [200, 200, 200, 400, 413]
+    assert webhook.admissions() == {"mutated": 1, "unchanged": 1, "skipped": 1, "bad_request": 2}
+    assert webhook.timed() == 5
+
+
+async def test_a_client_that_stalls_mid_body_is_a_bad_request_counted_once(webhook: Webhook) -> None:
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", int(webhook.url.rsplit(":", 1)[1]), ssl=webhook.client_ssl
+    )
+    writer.write(b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+    await writer.drain()
+    assert (await asyncio.wait_for(reader.readline(), READ_TIMEOUT_S + 10)).startswith(b"HTTP/1.1 408")
+    writer.close()
+    assert webhook.admissions()["bad_request"] == 1
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (Debian's prometheus package)")
+async def test_the_webhooks_page_passes_promtool(webhook: Webhook) -> None:
+    await _post(webhook, admission_review(vllm_pod({LABEL: "true"})))
+    assert promtool_problems(generate_latest(webhook.registry).decode()) == ""

@@ -15,11 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inject.manifest import inject_text
-from inject.pods import Options
+from inject.spec import Options
 from webhook.admission import LABEL, BadReview, review
 
 Obj = dict[str, Any]
 OPTIONS = Options()
+PICK = "name the engine's with --container NAME"
 
 
 def vllm_pod(labels: dict[str, str] | None = None) -> Obj:
@@ -127,8 +128,23 @@ def test_a_pod_with_no_engine_is_admitted_unchanged_with_a_warning_naming_its_co
     response = review(admission_review(pod), OPTIONS)["response"]
     assert response["allowed"] is True
     assert "patch" not in response
-    reason = "no engine container found among web, cache (vLLM, TGI or SGLang by image)"
-    assert response["warnings"] == [f"spotdrain: the sidecar was not added: {reason}"]
+    reason = "no vLLM, TGI or SGLang container found among web (nginx:1.27), cache (redis:7)"
+    assert response["warnings"] == [f"spotdrain: the sidecar was not added: {reason}; {PICK}"]
+
+
+def test_the_webhook_and_inject_give_the_same_reason_for_a_pod_without_an_engine() -> None:
+    pod = vllm_pod({LABEL: "true"})
+    pod["spec"]["containers"] = [{"name": "web", "image": "nginx:1.27"}]
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {"selector": {}, "template": {"metadata": {}, "spec": pod["spec"]}},
+    }
+    for options in (OPTIONS, Options(container="engine")):
+        [warning] = review(admission_review(pod), options)["response"]["warnings"]
+        [skipped] = [p.outcome.skipped for p in inject_text(yaml.safe_dump(deployment), options).pods]
+        assert warning == f"spotdrain: the sidecar was not added: {skipped}"
 
 
 def test_a_pod_with_its_own_prestop_is_admitted_unchanged_with_a_warning() -> None:
@@ -151,7 +167,27 @@ def test_a_pod_using_the_sidecars_port_is_admitted_unchanged_with_a_warning() ->
 def test_a_missing_container_named_by_the_webhook_is_a_warning_not_a_denial() -> None:
     response = review(admission_review(vllm_pod({LABEL: "true"})), Options(container="engine"))["response"]
     assert response["allowed"] is True
-    assert "no container named 'engine'" in response["warnings"][0]
+    assert "no container named 'engine' (--container) among vllm (vllm/vllm-openai:v0.11.0)" in response["warnings"][0]
+
+
+def test_a_grace_period_of_the_pods_that_is_raised_is_named_in_a_warning() -> None:
+    pod = vllm_pod({LABEL: "true"})
+    pod["spec"]["terminationGracePeriodSeconds"] = 60
+    response = review(admission_review(pod), OPTIONS)["response"]
+    assert patched(pod, {"response": response})["spec"]["terminationGracePeriodSeconds"] == 130
+    [warning] = response["warnings"]
+    assert warning.startswith("spotdrain: terminationGracePeriodSeconds raised from 60 to 130: ")
+
+
+def test_the_engines_own_readiness_probe_is_not_patched() -> None:
+    pod = vllm_pod({LABEL: "true"})
+    probe = {"httpGet": {"path": "/health", "port": 8000}, "initialDelaySeconds": 60}
+    pod["spec"]["containers"][0]["readinessProbe"] = probe
+    operations = json.loads(base64.b64decode(review(admission_review(pod), OPTIONS)["response"]["patch"]))
+    assert [o for o in operations if "/spec/containers/0/readinessProbe" in o["path"]] == []
+    after = patched(pod, review(admission_review(pod), OPTIONS))
+    assert after["spec"]["containers"][0]["readinessProbe"] == probe
+    assert after["spec"]["containers"][1]["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8081}
 
 
 def test_a_long_warning_is_cut_to_what_the_api_server_keeps() -> None:
