@@ -100,6 +100,7 @@ LAYERS = (
     Layer("deploy/components/grafana"),
     # The webhook's base creates the spotdrain namespace too, so it is not composed with a mode overlay.
     Layer("deploy/webhook/components/cert-manager", under=("deploy/webhook/base",), with_mode=False),
+    Layer("deploy/webhook/components/monitoring", under=("deploy/webhook/base",), with_mode=False),
 )
 
 
