@@ -40,7 +40,9 @@ class Load:
     async def run(self) -> None:
         """Runs every slot; returns once each has been refused or, after ``stopping``, has seen its last stream end
         (or raises CancelledError when cancelled)."""
-        connector = aiohttp.TCPConnector(limit=0)
+        # A connection per stream: after a stream is cut the router closes its connection, which the client, having
+        # read a complete chunked answer, would otherwise reuse for its next request and see fail before any answer.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, asyncio.TaskGroup() as group:
             for slot in range(self.slots):
