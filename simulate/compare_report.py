@@ -3,6 +3,7 @@ each way is, and notes; or the same as JSON; or a page with the table and each w
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from typing import Any
 
@@ -97,7 +98,7 @@ def as_json(c: Comparison) -> dict[str, Any]:
                 "way": p.way.name,
                 "title": p.way.title,
                 "skipped": p.skipped,
-                "row": None if (r := row(p)) is None else r.__dict__,
+                "row": None if (r := row(p)) is None else dataclasses.asdict(r),
                 "run": None if p.result is None else run_json(p.result),
             }
             for p in c.played

@@ -115,14 +115,9 @@ async def simulate(
             sink(event)
 
     recorder = Recorder(asyncio.get_running_loop().time, sink=observe)
+    cluster = Cluster(settings, scenario, recorder, workdir=workdir, way=way, ports=ports)
     async with asyncio.timeout(budget_s(settings.timings)):
-        deadline, facts = await _play(
-            settings,
-            scenario,
-            recorder,
-            seen,
-            Cluster(settings, scenario, recorder, workdir=workdir, way=way, ports=ports),
-        )
+        deadline, facts = await _play(settings, scenario, recorder, seen, cluster)
     events = tuple(sorted(recorder.events, key=lambda e: e.at))
     pods = [f"vllm-{index}" for index in range(settings.pods)]
     summary = summarize(events, recorder.streams, pods=pods, facts=facts)
