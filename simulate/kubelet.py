@@ -65,10 +65,13 @@ class Kubelet:
         self._spawn(self._exits(pod), name=f"exits-{pod.name}")
 
     async def readiness(self, name: str, session: aiohttp.ClientSession) -> Answer:
-        """One run of ``name``'s readiness probe, as its endpoint sees it: not ready once the pod is terminating."""
+        """One run of ``name``'s readiness probe, as its endpoint sees it: not ready once the pod is terminating, nor
+        while its engine container is not running (a probe that only tests a file would not notice)."""
         pod = self.pods[name]
         if pod.terminating:
             return False, "terminating: its endpoint is no longer ready"
+        if not pod.engine.running:
+            return False, "the engine container is not running"
         return await pod.readiness(session)
 
     def probed(self, name: str, ready: bool) -> None:

@@ -13,9 +13,12 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
+import structlog
 
 from simulate.router import POD_HEADER, REQUEST_HEADER
 from simulate.timeline import Outcome, Recorder, StreamRecord
+
+log = structlog.get_logger()
 
 Length = Callable[[int], float]  # slot -> seconds the next stream of that slot lasts
 Hops = Mapping[str, Sequence[tuple[float, str]]]  # the router's record: request name -> (when, pod) per routing
@@ -77,8 +80,9 @@ class Load:
                     token, finished = parse_line(raw)
                     received += token
                     done = done or finished
-        except (aiohttp.ClientError, ConnectionResetError):
-            pass  # the stream broke off: whatever arrived is all there is
+        except (aiohttp.ClientError, ConnectionResetError) as error:
+            # The stream broke off: whatever arrived is all there is.
+            log.debug("load.stream_broke", slot=slot, pod=pod, received=received, error=repr(error))
         outcome = Outcome.COMPLETED if done and received == wanted else Outcome.CUT
         stream_id = stream_id or next(self._stream_ids)  # it broke off before any answer: a stream cut, as before
         # Through the gateway a continued stream is routed again, under the same name: where it moved, and when.
