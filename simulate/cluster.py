@@ -135,7 +135,7 @@ class Cluster:
             return
         engine_port, sidecar_port = self.port(), self.port()
         drain_dir = self.workdir / name / "drain"
-        engine, report = await self._start_engine(name, engine_port)
+        engine, report = await self.start_engine(name, engine_port)
         sidecar = await self.procs.start(
             f"{name}-sidecar",
             sidecar_args(port=sidecar_port, engine_port=engine_port, drain_dir=drain_dir, extra=self._sidecar_flags()),
@@ -154,7 +154,7 @@ class Cluster:
         port = self.port()
         tmp = self.workdir / name / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
-        engine, report = await self._start_engine(name, port)
+        engine, report = await self.start_engine(name, port)
         hook = self.way.prestop
         prestop = None if hook is None else shell(adapted(hook, tmp=tmp, engine_port=port, scale=self.timings.scale))
         pod = Pod(name, engine, None, tmp, port, readiness=self._probe(tmp, port), prestop=prestop)
@@ -162,16 +162,31 @@ class Cluster:
         self.kubelet.adopt(pod)
         await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=STARTUP_S)
 
-    async def _start_engine(self, name: str, port: int) -> tuple[Proc, dict[str, int]]:
-        """A pod's fake vLLM; returns it and where its own count of the streams it cut will be."""
+    async def start_engine(self, name: str, port: int) -> tuple[Proc, dict[str, int]]:
+        """A pod's fake vLLM; returns it, once it listens, and where its own count of the streams it cut will be.
+
+        Raises RuntimeError if it exits first: another process took its port between our pick and its bind (the
+        machine may run other tests), and whatever answers there is not this pod's engine."""
         report: dict[str, int] = {}
+        listening = asyncio.Event()
 
         def listener(fields: dict[str, object]) -> None:
+            if fields.get("event") == "engine.listening":
+                listening.set()
             if (cut := engine_cut(fields)) is not None:
                 report["cut"] = cut
 
         args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s))
-        return await self.procs.start(f"{name}-engine", args, listener=listener), report
+        engine = await self.procs.start(f"{name}-engine", args, listener=listener)
+        heard, exited = asyncio.ensure_future(listening.wait()), asyncio.ensure_future(engine.exited())
+        try:
+            await asyncio.wait([heard, exited], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            heard.cancel()
+            exited.cancel()
+        if not listening.is_set():
+            raise RuntimeError(f"{name}'s engine exited before it listened on port {port}: see {engine.log_path}")
+        return engine, report
 
     def _probe(self, tmp: Path, port: int) -> Probe:
         if self.way.readiness is Readiness.SEED:

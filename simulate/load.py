@@ -82,7 +82,7 @@ class Load:
                     done = done or finished
         except (aiohttp.ClientError, ConnectionResetError) as error:
             # The stream broke off: whatever arrived is all there is.
-            log.debug("load.stream_broke", slot=slot, pod=pod, received=received, error=repr(error))
+            log.info("load.stream_broke", slot=slot, pod=pod, received=received, error=repr(error))
         outcome = Outcome.COMPLETED if done and received == wanted else Outcome.CUT
         stream_id = stream_id or next(self._stream_ids)  # it broke off before any answer: a stream cut, as before
         # Through the gateway a continued stream is routed again, under the same name: where it moved, and when.
