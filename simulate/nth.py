@@ -67,10 +67,14 @@ async def nth_style(target: Target, recorder: Recorder, *, scale: float) -> None
 
 
 async def _interruption(session: aiohttp.ClientSession, url: str, *, scale: float) -> None:
-    """Returns once IMDS names a Spot interruption, on the store's tick after the monitor saw it."""
+    """Returns once IMDS names a Spot interruption, on the event store's next tick after the monitor saw it: both
+    tickers start with the handler and run apart, as the monitor's goroutine and the main loop's ticker do."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     while not await _spot_action(session, url):
         await asyncio.sleep(MONITOR_S * scale)
-    await asyncio.sleep(TICK_S * scale)  # the event store's ticker takes it up to 1 s later: here always the whole
+    tick_s = TICK_S * scale
+    await asyncio.sleep(tick_s - (loop.time() - started) % tick_s)
 
 
 async def _spot_action(session: aiohttp.ClientSession, url: str) -> bool:
