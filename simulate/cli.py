@@ -47,6 +47,8 @@ def _say(line: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     settings = from_arguments(args)
+    if settings.compare:
+        return _compare(settings)
     from simulate.page import render_html
     from simulate.report import as_json, header, live_printer, verdict
     from simulate.run import budget_s, simulate
@@ -74,6 +76,35 @@ def main(args: argparse.Namespace) -> int:
             settings.html.write_text(render_html(result))
             print(f"timeline drawn in {settings.html}", file=sys.stderr)
     return 0 if result.passed else 1
+
+
+def _compare(settings: SimulationSettings) -> int:
+    """Every way side by side: the table (or JSON), and the page; exits as spotdrain's verdict says."""
+    from simulate.compare import compare
+    from simulate.compare_report import as_json, header, render, render_html
+    from simulate.run import budget_s
+
+    with (
+        _workdir(settings.log_dir) as workdir,
+        (workdir / "simulation.log").open("a") as own_log,
+        _logging_to(own_log),
+    ):
+        if not settings.json:
+            _say(header(settings) + "\n")
+        try:
+            comparison = asyncio.run(compare(settings, workdir=workdir))
+        except TimeoutError:
+            print(_hung(settings, budget_s(settings.timings)), file=sys.stderr)
+            return 1
+        if settings.json:
+            json.dump(as_json(comparison), sys.stdout, indent=2)
+            _say("")
+        else:
+            _say(render(comparison))
+        if settings.html is not None:
+            settings.html.write_text(render_html(comparison))
+            print(f"comparison drawn in {settings.html}", file=sys.stderr)
+    return 0 if comparison.passed else 1
 
 
 def _hung(settings: SimulationSettings, budget: float) -> str:

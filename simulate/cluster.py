@@ -1,6 +1,7 @@
 """The simulated cluster on 127.0.0.1: the fake API with one GPU node, its pods' processes, the fake IMDS (or a queue)
 and the real node agent. ``async with Cluster(...)`` starts nothing; ``start()`` brings it all up, and leaving the
-block kills every process and stops every fake.
+block kills every process and stops every fake. A ``way`` other than spotdrain (``simulate.baselines``) runs no agent
+and no sidecars: its pods are the engine alone, with that way's readiness probe and preStop hook.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 
+from simulate.baselines import SEED_READINESS, SPOTDRAIN, Readiness, Way, adapted, shell
 from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import engine_args, free_port, sidecar_args, wait_http
 from simulate.kubelet import Kubelet, Pod
+from simulate.nth import Target
 from simulate.observe import agent_note, engine_cut, gateway_note, note_taker, sidecar_note
+from simulate.probes import Probe, exec_probe, http_probe
 from simulate.procs import Proc, ProcessGroup
 from simulate.queue import Queue
 from simulate.scenarios import Scenario
@@ -33,8 +37,18 @@ STARTUP_S = 30.0
 
 
 class Cluster:
-    def __init__(self, settings: SimulationSettings, scenario: Scenario, recorder: Recorder, *, workdir: Path) -> None:
+    def __init__(
+        self,
+        settings: SimulationSettings,
+        scenario: Scenario,
+        recorder: Recorder,
+        *,
+        workdir: Path,
+        way: Way = SPOTDRAIN,
+        ports: set[int] | None = None,
+    ) -> None:
         self.settings = settings
+        self.way = way
         self.timings = settings.timings
         self.scenario = scenario
         self.recorder = recorder
@@ -45,7 +59,7 @@ class Cluster:
         self.imds = FakeImds(instance_id=INSTANCE)
         self.imds_url = ""
         self.queue: Queue | None = Queue(self.procs) if scenario.via_sqs else None
-        self._ports: set[int] = set()
+        self._ports: set[int] = set() if ports is None else ports  # shared by runs side by side
         self.spare_ports: dict[str, int] = {}
         self.notice_port = self.metrics_port = 0
         self.agent: Proc | None = None
@@ -88,7 +102,7 @@ class Cluster:
         self.notice_port, self.metrics_port = self.port(), self.port()
         async with asyncio.timeout(STARTUP_S):
             await asyncio.gather(
-                self.start_agent(),
+                *([self.start_agent()] if self.way.spotdrain else []),
                 *(self._start_pod(name) for name in self.pod_names),
                 *(self._start_spare(name) for name in self.spare_names),
             )
@@ -116,28 +130,72 @@ class Cluster:
         return port
 
     async def _start_pod(self, name: str) -> None:
+        if not self.way.spotdrain:
+            await self._start_bare_pod(name)
+            return
         engine_port, sidecar_port = self.port(), self.port()
         drain_dir = self.workdir / name / "drain"
-        report: dict[str, int] = {}
-
-        def engine_listener(fields: dict[str, object]) -> None:
-            if (cut := engine_cut(fields)) is not None:
-                report["cut"] = cut
-
-        engine = await self.procs.start(
-            f"{name}-engine",
-            engine_args(engine_port, "--tokens-per-second", str(self.settings.tokens_per_s)),
-            listener=engine_listener,
-        )
+        engine, report = await self.start_engine(name, engine_port)
         sidecar = await self.procs.start(
             f"{name}-sidecar",
             sidecar_args(port=sidecar_port, engine_port=engine_port, drain_dir=drain_dir, extra=self._sidecar_flags()),
             listener=note_taker(self.recorder, name, lambda fields: sidecar_note(fields, pod=name)),
         )
-        pod = Pod(name, engine, sidecar, drain_dir, engine_port=engine_port, sidecar_port=sidecar_port)
+        ready = http_probe(f"http://127.0.0.1:{sidecar_port}/ready")
+        prestop = ("/bin/sh", str(drain_dir / "prestop"))
+        pod = Pod(name, engine, sidecar, drain_dir, engine_port, readiness=ready, prestop=prestop)
         pod.engine_report = report
         self.kubelet.adopt(pod)
         await wait_http(f"http://127.0.0.1:{sidecar_port}/ready", status=200, timeout_s=STARTUP_S)
+
+    async def _start_bare_pod(self, name: str) -> None:
+        """A pod of a way without spotdrain: the engine alone, with that way's probe and hook; ``tmp`` stands for
+        the engine container's ``/tmp``."""
+        port = self.port()
+        tmp = self.workdir / name / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        engine, report = await self.start_engine(name, port)
+        hook = self.way.prestop
+        prestop = None if hook is None else shell(adapted(hook, tmp=tmp, engine_port=port, scale=self.timings.scale))
+        pod = Pod(name, engine, None, tmp, port, readiness=self._probe(tmp, port), prestop=prestop)
+        pod.engine_report = report
+        self.kubelet.adopt(pod)
+        await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=STARTUP_S)
+
+    async def start_engine(self, name: str, port: int) -> tuple[Proc, dict[str, int]]:
+        """A pod's fake vLLM; returns it, once it listens, and where its own count of the streams it cut will be.
+
+        Raises RuntimeError if it exits first: another process took its port between our pick and its bind (the
+        machine may run other tests), and whatever answers there is not this pod's engine."""
+        report: dict[str, int] = {}
+        listening = asyncio.Event()
+
+        def listener(fields: dict[str, object]) -> None:
+            if fields.get("event") == "engine.listening":
+                listening.set()
+            if (cut := engine_cut(fields)) is not None:
+                report["cut"] = cut
+
+        args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s))
+        engine = await self.procs.start(f"{name}-engine", args, listener=listener)
+        heard, exited = asyncio.ensure_future(listening.wait()), asyncio.ensure_future(engine.exited())
+        try:
+            await asyncio.wait([heard, exited], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            heard.cancel()
+            exited.cancel()
+        if not listening.is_set():
+            raise RuntimeError(f"{name}'s engine exited before it listened on port {port}: see {engine.log_path}")
+        return engine, report
+
+    def _probe(self, tmp: Path, port: int) -> Probe:
+        if self.way.readiness is Readiness.SEED:
+            return exec_probe(shell(adapted(SEED_READINESS, tmp=tmp, engine_port=port, scale=self.timings.scale)))
+        return http_probe(f"http://127.0.0.1:{port}/health")
+
+    def nth_target(self) -> Target:
+        """Where the nth-style handler finds IMDS and the API, with a token that may do anything."""
+        return Target(self.imds_url, self.kube.url, self.kube.token, self.kube.ca_path, NODE)
 
     async def _start_spare(self, name: str) -> None:
         """A pod on the second node: only its engine takes part, since nothing ever drains it."""

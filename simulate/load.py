@@ -13,9 +13,12 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
+import structlog
 
 from simulate.router import POD_HEADER, REQUEST_HEADER
 from simulate.timeline import Outcome, Recorder, StreamRecord
+
+log = structlog.get_logger()
 
 Length = Callable[[int], float]  # slot -> seconds the next stream of that slot lasts
 Hops = Mapping[str, Sequence[tuple[float, str]]]  # the router's record: request name -> (when, pod) per routing
@@ -40,7 +43,9 @@ class Load:
     async def run(self) -> None:
         """Runs every slot; returns once each has been refused or, after ``stopping``, has seen its last stream end
         (or raises CancelledError when cancelled)."""
-        connector = aiohttp.TCPConnector(limit=0)
+        # A connection per stream: after a stream is cut the router closes its connection, which the client, having
+        # read a complete chunked answer, would otherwise reuse for its next request and see fail before any answer.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, asyncio.TaskGroup() as group:
             for slot in range(self.slots):
@@ -75,8 +80,9 @@ class Load:
                     token, finished = parse_line(raw)
                     received += token
                     done = done or finished
-        except (aiohttp.ClientError, ConnectionResetError):
-            pass  # the stream broke off: whatever arrived is all there is
+        except (aiohttp.ClientError, ConnectionResetError) as error:
+            # The stream broke off: whatever arrived is all there is.
+            log.info("load.stream_broke", slot=slot, pod=pod, received=received, error=repr(error))
         outcome = Outcome.COMPLETED if done and received == wanted else Outcome.CUT
         stream_id = stream_id or next(self._stream_ids)  # it broke off before any answer: a stream cut, as before
         # Through the gateway a continued stream is routed again, under the same name: where it moved, and when.

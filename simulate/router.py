@@ -1,9 +1,9 @@
-"""A small router in front of the engines, sending new requests only to pods whose sidecar reports ready.
+"""A small router in front of the engines, sending new requests only to pods whose readiness probe says ready.
 
-It follows readiness as a Service's endpoints do: each sidecar's ``/ready`` is polled every ``poll_s`` and a pod
-is in rotation while the last answer was 200. A request goes to the ready pod with the fewest open streams; with
-none ready the router answers 503. The stream is relayed chunk by chunk, and the pod that served it is named in
-the ``X-Spotdrain-Pod`` header.
+It follows readiness as a Service's endpoints do: each pod's probe (the sidecar's ``/ready``, or the pod's own) runs
+every ``poll_s``, and a pod is in rotation while the last answer was ready. A request goes to the ready pod with the
+fewest open streams; with none ready the router answers 503. The stream is relayed chunk by chunk, and the pod that
+served it is named in the ``X-Spotdrain-Pod`` header.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from simulate.probes import Probe
 from simulate.timeline import Kind, Recorder
 
 log = structlog.get_logger()
@@ -30,7 +31,7 @@ REQUEST_HEADER = "X-Spotdrain-Request"
 class Backend:
     name: str
     engine_url: str
-    ready_url: str
+    probe: Probe  # the pod's readiness, as its endpoint follows it
     ready: bool = False
     was_ready: bool = False
     open_streams: int = 0
@@ -101,15 +102,10 @@ class Router:
         return web.Response(text="ok\n")
 
     async def poller(self, backend: Backend) -> None:
-        """Follows one sidecar's ``/ready`` every ``poll_s``, recording each change; runs until cancelled."""
+        """Follows one pod's readiness every ``poll_s``, recording each change; runs until cancelled."""
         assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=max(0.5, self.poll_s * 5))
         while True:
-            try:
-                async with self._session.get(backend.ready_url, timeout=timeout) as answer:
-                    ready, reason = answer.status == 200, (await answer.text()).strip()
-            except (TimeoutError, aiohttp.ClientError) as error:
-                ready, reason = False, f"sidecar unreachable: {type(error).__name__}"
+            ready, reason = await backend.probe(self._session)
             self._update(backend, ready, reason)
             await asyncio.sleep(self.poll_s)
 
@@ -125,7 +121,7 @@ class Router:
             return
         if backend.was_ready:
             self.first_out.set()
-            text = f"out of rotation: /ready answers 503 ({reason})"
+            text = f"out of rotation: {reason}"
             self.recorder.record(Kind.OUT_OF_ROTATION, backend.name, text, pod=backend.name)
 
     async def serve(self, *, port: int) -> None:

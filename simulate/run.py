@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -16,9 +17,12 @@ from typing import Any
 
 import structlog
 
+from simulate.baselines import SPOTDRAIN, Way
 from simulate.cluster import NODE, STARTUP_S, Cluster
 from simulate.load import Hops, Load
+from simulate.nth import nth_style
 from simulate.observe import node_watcher
+from simulate.probes import http_probe
 from simulate.router import Backend, Router
 from simulate.scenarios import SCENARIOS, Check, Scenario, judge, stream_seconds
 from simulate.settings import SimulationSettings, Timings
@@ -39,7 +43,8 @@ class RunResult:
     events: tuple[Event, ...]  # in time order
     streams: tuple[StreamRecord, ...]
     summary: Summary
-    checks: tuple[Check, ...]
+    checks: tuple[Check, ...]  # none for a way other than spotdrain: those are measured, not judged
+    way: Way = SPOTDRAIN
 
     @property
     def passed(self) -> bool:
@@ -90,9 +95,15 @@ def budget_s(timings: Timings) -> float:
 
 
 async def simulate(
-    settings: SimulationSettings, *, workdir: Path, sink: Callable[[Event], None] | None = None
+    settings: SimulationSettings,
+    *,
+    workdir: Path,
+    sink: Callable[[Event], None] | None = None,
+    way: Way = SPOTDRAIN,
+    ports: set[int] | None = None,
 ) -> RunResult:
-    """Play the scenario once; returns what happened and the verdict. Raises TimeoutError if the run hangs."""
+    """Play the scenario once, the notice handled by ``way``; returns what happened and the verdict. ``ports``: those
+    given out already, shared by runs side by side. Raises TimeoutError if the run hangs."""
     scenario = SCENARIOS[settings.scenario]
     if scenario.pods is not None:
         settings = dataclasses.replace(settings, pods=scenario.pods)
@@ -104,8 +115,9 @@ async def simulate(
             sink(event)
 
     recorder = Recorder(asyncio.get_running_loop().time, sink=observe)
+    cluster = Cluster(settings, scenario, recorder, workdir=workdir, way=way, ports=ports)
     async with asyncio.timeout(budget_s(settings.timings)):
-        deadline, facts = await _play(settings, scenario, recorder, seen, workdir)
+        deadline, facts = await _play(settings, scenario, recorder, seen, cluster)
     events = tuple(sorted(recorder.events, key=lambda e: e.at))
     pods = [f"vllm-{index}" for index in range(settings.pods)]
     summary = summarize(events, recorder.streams, pods=pods, facts=facts)
@@ -116,18 +128,21 @@ async def simulate(
         events=events,
         streams=tuple(sorted(recorder.streams, key=lambda s: s.id)),
         summary=summary,
-        checks=judge(scenario, summary, gateway=settings.gateway),
+        checks=judge(scenario, summary, gateway=settings.gateway) if way.spotdrain else (),
+        way=way,
     )
 
 
 async def _play(
-    settings: SimulationSettings, scenario: Scenario, recorder: Recorder, seen: _Seen, workdir: Path
+    settings: SimulationSettings, scenario: Scenario, recorder: Recorder, seen: _Seen, cluster: Cluster
 ) -> tuple[datetime, Facts]:
     t = settings.timings
-    async with Cluster(settings, scenario, recorder, workdir=workdir) as cluster, _Tasks() as tasks:
+    async with cluster, _Tasks() as tasks:
         await cluster.start()
         router, router_url = await _route(cluster, recorder, tasks, poll_s=t.router_poll_s)
         tasks.start(node_watcher(lambda: cluster.kube.node(NODE), recorder, name=NODE), "node-watcher")
+        if cluster.way.evicts:
+            tasks.start(nth_style(cluster.nth_target(), recorder, scale=t.scale), "nth-style")
         load = _load(settings, scenario, recorder, router_url=router_url, hops=router.hops)
         shape = f"{settings.pods} pods x {settings.streams_per_pod}"
         via = "the gateway and the router" if settings.gateway else "the router"
@@ -143,7 +158,8 @@ async def _play(
         if scenario.restart_agent:
             tasks.start(_restart_agent(cluster, seen), "agent-restart")
         await _until_empty(cluster, recorder, deadline_at=deadline_at)
-        await _settle(seen.flag(Kind.NODE_DRAINED))
+        if cluster.way.spotdrain or cluster.way.evicts:
+            await _settle(seen.flag(Kind.NODE_DRAINED))
         deleted = await cluster.queue.wait_empty(timeout_s=2 * SETTLE_S) if cluster.queue is not None else None
         await _end_load(load, load_task, settings)
         if not recorder.first(Kind.DEADLINE):
@@ -179,11 +195,12 @@ async def _route(cluster: Cluster, recorder: Recorder, tasks: _Tasks, *, poll_s:
     """Start the router (and the gateway in front of it); returns it and the clients' URL once every pod is in
     rotation."""
     backends = [
-        Backend(pod.name, f"http://127.0.0.1:{pod.engine_port}", f"http://127.0.0.1:{pod.sidecar_port}/ready")
+        Backend(pod.name, f"http://127.0.0.1:{pod.engine_port}", functools.partial(cluster.kubelet.readiness, pod.name))
         for pod in cluster.kubelet.pods.values()
     ]
     for name, engine_port in cluster.spare_ports.items():
-        backends.append(Backend(name, f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{engine_port}/health"))
+        url = f"http://127.0.0.1:{engine_port}"
+        backends.append(Backend(name, url, http_probe(f"{url}/health")))
     router = Router(backends, recorder, poll_s=poll_s, on_change=cluster.kubelet.probed)
     port = cluster.port()
     tasks.start(router.serve(port=port), "router")

@@ -17,7 +17,9 @@ from spotdrain.settings import add_flag, add_switch, positive_int, require, seco
 SPOT_NOTICE_S = 120.0
 ENGINE_EXIT_MARGIN_S = 10.0  # sidecar.draining.ENGINE_EXIT_MARGIN; not imported, this module must stay light
 MIN_WINDOW_S = 2.0
-SCENARIO_NAMES = ("short-streams", "long-streams", "pdb-blocks", "agent-restart", "node-lost", "sqs")
+SCENARIO_NAMES = ("short-streams", "long-streams", "shipped-budget", "pdb-blocks", "agent-restart", "node-lost", "sqs")
+# The scenarios another way of handling the notice can play too: a notice, and nothing that is spotdrain's own.
+COMPARABLE = ("short-streams", "long-streams", "shipped-budget", "pdb-blocks")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,11 @@ class Timings:
     poll_s: float = 0.2  # the sidecars' engine readings and notice polls
     imds_interval_s: float = 0.2
     router_poll_s: float = 0.1  # as endpoints follow readiness
+
+    @property
+    def scale(self) -> float:
+        """The simulation's seconds per second of a real 120 s notice: how the other ways' durations are scaled."""
+        return self.notice_s / SPOT_NOTICE_S
 
     @classmethod
     def scaled(cls, notice_s: float) -> Timings:
@@ -60,6 +67,7 @@ class SimulationSettings:
     html: Path | None = None
     log_dir: Path | None = None
     gateway: bool = False  # spotdrain gateway in front of the router, and a second node that is not interrupted
+    compare: bool = False  # play the scenario once per way of handling the notice (simulate.baselines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_switch(
         parser, "--gateway", default=False, help="clients go through spotdrain gateway; a second node takes over"
     )
+    add_switch(
+        parser, "--compare", default=False, help="play the scenario with spotdrain and each other way, side by side"
+    )
 
 
 def from_arguments(args: argparse.Namespace) -> SimulationSettings:
@@ -88,6 +99,11 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
     require(args.pods <= 20, "--pods must be at most 20 (each pod is two processes)")
     require(args.streams_per_pod <= 50, "--streams-per-pod must be at most 50")
     require(args.tokens_per_second > 0, "--tokens-per-second must be above 0")
+    require(
+        not args.compare or args.scenario in COMPARABLE,
+        f"--compare plays one of {', '.join(COMPARABLE)}: the others have no notice or play spotdrain's own parts",
+    )
+    require(not (args.compare and args.gateway), "--compare plays the node without the gateway")
     return SimulationSettings(
         scenario=args.scenario,
         pods=args.pods,
@@ -99,4 +115,5 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
         html=args.html,
         log_dir=args.log_dir,
         gateway=args.gateway,
+        compare=args.compare,
     )

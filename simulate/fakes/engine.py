@@ -357,7 +357,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, EngineConfig]:
 
 
 async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyncio.Event) -> FakeEngine:
-    """Serve until ``stop`` is set, then close at once, cutting open streams as an engine on SIGTERM does."""
+    """Serve until ``stop`` is set, then close at once, cutting open streams as an engine on SIGTERM does.
+
+    That is vLLM's default: on SIGTERM its API server rejects new requests and aborts every one in flight, unless
+    ``--shutdown-timeout`` is set (vllm-project/vllm#36666: "either immediate termination by default
+    (--shutdown-timeout=0) or wait for in-flight requests to finish"). No other mode is needed here: spotdrain's
+    preStop holds the SIGTERM until no stream is left, and the ways it is compared with run vLLM as it comes."""
     engine = FakeEngine(config)
     runner = web.AppRunner(engine.app(), access_log=None, handle_signals=False, shutdown_timeout=0.1)
     await runner.setup()

@@ -39,3 +39,31 @@ async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() 
     assert (streams, refusals) == ([1, 2, 3], [1, 2])
     subjects = {e.subject for e in recorder.events if e.kind is Kind.REFUSED}
     assert subjects == {"new request"}
+
+
+async def test_after_a_cut_stream_the_next_request_is_answered_not_lost_on_the_closed_connection() -> None:
+    """The router ends a cut stream as a complete chunked answer without ``[DONE]`` and closes the connection: the
+    slot's next request must reach the router (and be refused, no pod being left) rather than fail on that
+    connection and pass for a stream cut on no pod."""
+    served = [0]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        served[0] += 1
+        if served[0] > 1:
+            return web.Response(status=503, text="no pod in rotation")
+        response = web.StreamResponse(headers={POD_HEADER: "vllm-0"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"text":" t"}]}\n\n')
+        response.force_close()  # as the router does once the engine has gone mid-stream
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    for _ in range(20):  # the stale connection was reused only when its close had not been read yet
+        served[0] = 0
+        recorder = Recorder(asyncio.get_running_loop().time)
+        async with serving_app(app) as port:
+            load = Load(f"http://127.0.0.1:{port}", recorder, slots=1, length_s=lambda _: 1.0, tokens_per_s=20, hops={})
+            await asyncio.wait_for(load.run(), 5)
+        outcomes = [(r.outcome, r.pod) for r in recorder.streams]
+        assert outcomes == [(Outcome.CUT, "vllm-0"), (Outcome.REFUSED, None)]

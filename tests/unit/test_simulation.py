@@ -178,6 +178,22 @@ def test_a_notice_too_short_for_the_sidecars_margin_is_refused() -> None:
     assert from_arguments(parser.parse_args(["--scenario", "sqs"])).timings.notice_s == 20
 
 
+def test_every_scenario_can_be_chosen_with_the_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for name in SCENARIOS:
+        assert from_arguments(parser.parse_args(["--scenario", name])).scenario == name
+
+
+def test_compare_is_refused_where_the_other_ways_have_nothing_to_play() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for refused in (["--scenario", "node-lost"], ["--scenario", "agent-restart"], ["--gateway"]):
+        with pytest.raises(SettingsError, match="--compare"):
+            from_arguments(parser.parse_args(["--compare", *refused]))
+    assert from_arguments(parser.parse_args(["--compare", "--scenario", "pdb-blocks"])).compare
+
+
 def test_log_events_become_timeline_notes() -> None:
     blocked = agent_note({"event": "pod.eviction_blocked", "pod": "vllm-1", "error": "HTTP 429", "retry_in_s": 2.0})
     assert blocked is not None
