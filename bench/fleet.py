@@ -99,8 +99,11 @@ def _ports(count: int, *, taken: set[int]) -> list[int]:
     return ports
 
 
-async def _start_sidecars(workdir: Path, engine_ports: Sequence[int], notice_url: str) -> Started:
-    """Start one sidecar per engine port, a batch at a time; returns once every one is ready."""
+async def _start_sidecars(
+    workdir: Path, engine_ports: Sequence[int], notice_url: str, procs: list[asyncio.subprocess.Process]
+) -> Started:
+    """Start one sidecar per engine port, a batch at a time; returns once every one is ready. Each process is in
+    ``procs`` from its start, so that one that never gets ready leaves none of them running."""
     started: Started = []
     sidecar_ports = _ports(len(engine_ports), taken=set(engine_ports))
     for first in range(0, len(engine_ports), BATCH):
@@ -112,6 +115,7 @@ async def _start_sidecars(workdir: Path, engine_ports: Sequence[int], notice_url
                 port=port, engine_port=engine_port, drain_dir=drain_dir, extra=["--notice-url", notice_url]
             )
             batch.append((port, await start(args, log_path=workdir / f"sidecar-{index}.log")))
+            procs.append(batch[-1][1])
         await asyncio.gather(*(wait_http(f"http://127.0.0.1:{p}/ready", status=200, timeout_s=60) for p, _ in batch))
         started += batch
     return started
@@ -181,8 +185,7 @@ async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[R
     engine_ports = (await _spawn(procs, "pages", str(SIDECARS)))["engines"]
     board = f"http://127.0.0.1:{(await _spawn(procs, 'board'))['notice']}"
     await wait_http(f"{board}/v1/notice", status=204, timeout_s=20)
-    sidecars = await _start_sidecars(workdir, engine_ports, f"{board}/v1/notice")
-    procs += [process for _, process in sidecars]
+    sidecars = await _start_sidecars(workdir, engine_ports, f"{board}/v1/notice", procs)
     pids = [process.pid for _, process in sidecars]
     await asyncio.sleep(2.0)  # let start-up work settle
     serving = await _cores(pids, WINDOW_S)

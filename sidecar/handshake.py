@@ -130,8 +130,9 @@ class DrainDir:
                 chunk = os.read(self.asks, 4096)
             except BlockingIOError:
                 return written
-            # Never empty: this process holds the write end too, so there is no end of file.
-            written = written or bool(chunk)
+            if not chunk:  # an end of file, which a FIFO this process holds open for writing never shows
+                return written
+            written = True
 
     def drain_requested(self) -> bool:
         return self.drain.exists()
