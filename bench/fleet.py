@@ -15,41 +15,33 @@ Targets, for 200 sidecars (about 25 eight-GPU nodes' worth):
 - resident memory under 200 times the sidecar's memory request in the manifests (48Mi), since each pod has its own;
   the proportional share (PSS), which counts the interpreter's shared pages once, is reported beside it.
 
-The engine side is one process (``python -m bench.fleet pages 200``) answering every engine port from prebuilt pages
-with a bare asyncio protocol, so that it takes a small part of the machine; the notice endpoint is the agent's own
-board (``python -m bench.fleet board``: its app, and ``POST /_publish``, which only this benchmark has). Only the
-sidecars' CPU is counted. All processes share one network namespace, unlike pods: the sockets every draining
-sidecar reads through in ``/proc/net/tcp`` are those of all 200, and their number is reported with the draining
-result. The agent's own cost of 1,000 held requests is measured in ``bench.waiting``.
+The engine side is one process answering every engine port from prebuilt pages, and the notice endpoint is the
+agent's own board (both in ``bench.fleet_peers``). Only the sidecars' CPU is counted. Nothing here asks the sidecars
+anything while they react to a notice, which would take the CPU they react on: their logs are read, and each
+``/ready`` is checked, only after. All processes share one network namespace, unlike pods: the sockets every
+draining sidecar reads through in ``/proc/net/tcp`` are those of all 200, and their number is reported with the
+draining result. The agent's own cost of 1,000 held requests is measured in ``bench.waiting``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import struct
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
-from agent.drain.board import NoticeBoard
-from agent.notices.notice import Kind, Notice, Source
 from bench.common import Result, cpu_s, report, rss_mb
+from bench.fleet_peers import DRAINING_IN_FLIGHT
 from simulate.fakes.processes import free_port, sidecar_args, start, wait_http
-from spotdrain.clock import parse_rfc3339, utcnow
-from spotdrain.logs import configure_logging
-from spotdrain.probes import serve
+from spotdrain.clock import parse_rfc3339
 
 SIDECARS = 200
 BATCH = 25  # sidecars started at once: their imports take the machine for a while
@@ -58,123 +50,10 @@ ENDPOINT_DELAY_S = 5.0  # the sidecar's default: it reads nothing from its engin
 CPU_TARGET_CORES = 0.5
 IDLE_CPU_TARGET_CORES = 0.05
 PUSH_TARGET_S = 0.05
-NODE = "gpu-fleet"
+REACT_S = 1.0  # the sidecars' logs are first read this long after the publish (they all react well within it)
 RSS_TARGET_MB = 48 * 1.048576 * SIDECARS  # the sidecar's memory request in the manifests, 48Mi
-DRAINING_IN_FLIGHT = 3
 # Taken once per 0.5 s poll only while nothing moves: 25 ms is 5 % of a core for at most --stall-after seconds.
 COUNT_TARGET_MS = 25.0
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-SENTINEL = b"1.23456789e+08"
-
-
-# The engine side -----------------------------------------------------------------------------------------------------
-
-
-def vllm_page(in_flight: int) -> list[bytes]:
-    """A real fake-vLLM metrics page, split where the generated-tokens count goes (it moves on every reading, as
-    it does while streams run, so no sidecar sees a stall)."""
-    from prometheus_client.exposition import generate_latest
-
-    from simulate.fakes.engine import EngineConfig, VllmMetrics
-
-    metrics = VllmMetrics(EngineConfig(model=MODEL))
-    metrics.running.labels(model_name=MODEL, engine="0").set(in_flight)
-    metrics.generation_tokens.labels(model_name=MODEL, engine="0").inc(123456789)
-    return generate_latest(metrics.registry).split(SENTINEL)
-
-
-def _answer(status: str, body: bytes, content_type: str = "text/plain; version=0.0.4; charset=utf-8") -> bytes:
-    head = f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
-    return head.encode() + b"\r\n" + body
-
-
-class Pages:
-    """What every engine port answers, switched from serving to draining at once."""
-
-    def __init__(self) -> None:
-        self.page = vllm_page(0)
-        self.tokens = 0
-
-    def answer(self, method: bytes, path: bytes) -> bytes:
-        if path.startswith(b"/metrics"):
-            self.tokens += 1
-            return _answer("200 OK", str(self.tokens).encode().join(self.page))
-        if method == b"POST" and path == b"/_drain":
-            self.page = vllm_page(DRAINING_IN_FLIGHT)
-        return _answer("200 OK", b"ok\n")
-
-
-class PageProtocol(asyncio.Protocol):
-    """One connection: read a request's head, answer it, and reset the connection once the client has closed its end.
-
-    The reset keeps the closed connection out of TIME_WAIT at both ends. In a cluster each pod reads only its own
-    namespace's sockets; here all 200 sidecars share one, and without it the table every draining sidecar reads
-    through grows to some 10,000 rows, which measures the kernel's /proc/net/tcp rather than the sidecars.
-    """
-
-    def __init__(self, pages: Pages) -> None:
-        self.pages = pages
-        self.buffer = b""
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if b"\r\n\r\n" not in self.buffer or self.transport is None:
-            return
-        method, path, *_ = self.buffer.split(b" ", 2)
-        self.buffer = b""
-        self.transport.write(self.pages.answer(method, path))
-
-    def eof_received(self) -> bool:
-        if self.transport is not None:
-            sock = self.transport.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            self.transport.abort()
-        return False
-
-
-async def serve_pages(engines: int) -> None:
-    """Serves ``engines`` engine pages, each on a port of its own, until killed.
-
-    Prints the ports first, as one JSON line: ``{"engines": [port, ...]}``.
-    """
-    pages = Pages()
-    loop = asyncio.get_running_loop()
-    ports = []
-    for _ in range(engines):
-        server = await loop.create_server(lambda: PageProtocol(pages), "127.0.0.1", 0)
-        ports.append(server.sockets[0].getsockname()[1])
-    print(json.dumps({"engines": ports}), flush=True)
-    await asyncio.Event().wait()
-
-
-async def serve_board() -> None:
-    """Serves the agent's notice board for ``NODE`` until killed, as the agent serves it, plus ``POST /_publish``:
-    it publishes a Spot notice and answers the wall-clock time it did (``{"published": <epoch seconds>}``).
-
-    Prints its port first, as one JSON line: ``{"notice": port}``.
-    """
-    configure_logging(json=True, level="warning")  # nothing on stdout after the port: no one reads it
-    board = NoticeBoard(local_node=NODE)
-    app = board.app()
-
-    async def publish(_: web.Request) -> web.Response:
-        deadline = utcnow().replace(microsecond=0) + timedelta(seconds=120)
-        board.publish(NODE, Notice(Kind.SPOT_INTERRUPTION, "i-0f1ee7f1ee7f1ee70", deadline, Source.IMDS))
-        return web.json_response({"published": time.time()})
-
-    app.router.add_post("/_publish", publish)
-    port = free_port()
-    print(json.dumps({"notice": port}), flush=True)
-    await serve(app, host="127.0.0.1", port=port, name="notices")
-
-
-# The sidecars and the measurement -------------------------------------------------------------------------------------
 
 
 def pss_mb(pid: int) -> float:
@@ -220,8 +99,11 @@ def _ports(count: int, *, taken: set[int]) -> list[int]:
     return ports
 
 
-async def _start_sidecars(workdir: Path, engine_ports: Sequence[int], notice_url: str) -> Started:
-    """Start one sidecar per engine port, a batch at a time; returns once every one is ready."""
+async def _start_sidecars(
+    workdir: Path, engine_ports: Sequence[int], notice_url: str, procs: list[asyncio.subprocess.Process]
+) -> Started:
+    """Start one sidecar per engine port, a batch at a time; returns once every one is ready. Each process is in
+    ``procs`` from its start, so that one that never gets ready leaves none of them running."""
     started: Started = []
     sidecar_ports = _ports(len(engine_ports), taken=set(engine_ports))
     for first in range(0, len(engine_ports), BATCH):
@@ -233,6 +115,7 @@ async def _start_sidecars(workdir: Path, engine_ports: Sequence[int], notice_url
                 port=port, engine_port=engine_port, drain_dir=drain_dir, extra=["--notice-url", notice_url]
             )
             batch.append((port, await start(args, log_path=workdir / f"sidecar-{index}.log")))
+            procs.append(batch[-1][1])
         await asyncio.gather(*(wait_http(f"http://127.0.0.1:{p}/ready", status=200, timeout_s=60) for p, _ in batch))
         started += batch
     return started
@@ -245,21 +128,31 @@ async def _cores(pids: Sequence[int], window_s: float) -> float:
     return (sum(cpu_s(pid) for pid in pids) - before) / (time.monotonic() - t0)
 
 
-async def _all_draining(ports: Sequence[int]) -> None:
-    """Returns once every sidecar's /ready answers 503."""
+async def _drains_started(logs: Sequence[Path]) -> list[float]:
+    """When each sidecar logged ``drain.started``, once every one has; the logs are first read ``REACT_S`` after the
+    publish, then every 0.1 s, so that this process takes none of the CPU the sidecars react on."""
+    await asyncio.sleep(REACT_S)
+    give_up = time.monotonic() + 30
+    while None in (found := [drain_started_at(log) for log in logs]):
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"{found.count(None)} sidecars never logged drain.started")
+        await asyncio.sleep(0.1)
+    return [at for at in found if at is not None]
+
+
+async def _check_out_of_rotation(ports: Sequence[int]) -> None:
+    """Every sidecar's ``/ready`` answers 503 (it did from its ``drain.started`` on); raises if one does not."""
     async with aiohttp.ClientSession() as session:
         for port in ports:
-            while True:
-                async with session.get(f"http://127.0.0.1:{port}/ready") as response:
-                    if response.status == 503:
-                        break
-                await asyncio.sleep(0.1)
+            async with session.get(f"http://127.0.0.1:{port}/ready") as response:
+                if response.status != 503:
+                    raise RuntimeError(f"sidecar on {port} logged drain.started but /ready answers {response.status}")
 
 
 async def _spawn(procs: list[asyncio.subprocess.Process], *args: str) -> dict[str, Any]:
-    """Start ``python -m bench.fleet ARGS`` and read the JSON line it prints first."""
+    """Start ``python -m bench.fleet_peers ARGS`` and read the JSON line it prints first."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.fleet", *args, stdout=asyncio.subprocess.PIPE
+        sys.executable, "-m", "bench.fleet_peers", *args, stdout=asyncio.subprocess.PIPE
     )
     procs.append(process)
     assert process.stdout is not None
@@ -267,12 +160,13 @@ async def _spawn(procs: list[asyncio.subprocess.Process], *args: str) -> dict[st
     return bound
 
 
-def drain_started_at(log: Path) -> float:
-    """When a sidecar logged ``drain.started`` (its ``/ready`` turned 503 then), in epoch seconds."""
+def drain_started_at(log: Path) -> float | None:
+    """When a sidecar logged ``drain.started`` (its ``/ready`` answers 503 from then on), in epoch seconds; None
+    while it has not."""
     for line in log.read_text().splitlines():
         if '"drain.started"' in line:
             return parse_rfc3339(json.loads(line)["timestamp"]).timestamp()
-    raise RuntimeError(f"{log} has no drain.started")
+    return None
 
 
 def _push_results(delays: Sequence[float], cpu_each_s: float) -> list[Result]:
@@ -281,8 +175,8 @@ def _push_results(delays: Sequence[float], cpu_each_s: float) -> list[Result]:
     detail = (
         f"notice published on the agent's board to each of {len(ranked)} sidecars' drain.started (/ready 503), "
         f"each holding one long poll; p50 {p50 * 1000:.1f} ms, max {ranked[-1] * 1000:.1f} ms on {os.cpu_count()} "
-        f"cores; each sidecar used {cpu_each_s * 1000:.1f} ms of CPU from the publish until all were out of rotation "
-        "(one /ready request each included)"
+        f"cores; each sidecar used {cpu_each_s * 1000:.1f} ms of CPU in the {REACT_S:g} s after the publish (its "
+        "whole reaction: the flip, its log lines, its drain record); each /ready checked 503 after that"
     )
     return [Result.below("fleet_notice_to_out_of_rotation_p99", p99, "s", PUSH_TARGET_S, detail)]
 
@@ -291,8 +185,7 @@ async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[R
     engine_ports = (await _spawn(procs, "pages", str(SIDECARS)))["engines"]
     board = f"http://127.0.0.1:{(await _spawn(procs, 'board'))['notice']}"
     await wait_http(f"{board}/v1/notice", status=204, timeout_s=20)
-    sidecars = await _start_sidecars(workdir, engine_ports, f"{board}/v1/notice")
-    procs += [process for _, process in sidecars]
+    sidecars = await _start_sidecars(workdir, engine_ports, f"{board}/v1/notice", procs)
     pids = [process.pid for _, process in sidecars]
     await asyncio.sleep(2.0)  # let start-up work settle
     serving = await _cores(pids, WINDOW_S)
@@ -301,9 +194,10 @@ async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[R
         before = sum(cpu_s(pid) for pid in pids)
         async with session.post(f"{board}/_publish") as response:
             published = (await response.json())["published"]
-    await _all_draining([port for port, _ in sidecars])
+    started = await _drains_started([workdir / f"sidecar-{index}.log" for index in range(len(sidecars))])
     cpu_each_s = (sum(cpu_s(pid) for pid in pids) - before) / len(pids)
-    delays = [drain_started_at(workdir / f"sidecar-{index}.log") - published for index in range(len(sidecars))]
+    await _check_out_of_rotation([port for port, _ in sidecars])
+    delays = [at - published for at in started]
     await asyncio.sleep(ENDPOINT_DELAY_S + 1.0)
     draining = await _cores(pids, WINDOW_S)
     rows = tcp_rows()
@@ -336,17 +230,5 @@ async def measure() -> list[Result]:
             await asyncio.gather(*(process.wait() for process in procs))
 
 
-def main(argv: Sequence[str]) -> None:
-    if argv[:1] == ["pages"]:
-        parser = argparse.ArgumentParser(prog="python -m bench.fleet pages")
-        parser.add_argument("engines", type=int)
-        asyncio.run(serve_pages(parser.parse_args(argv[1:]).engines))
-        return
-    if argv[:1] == ["board"]:
-        asyncio.run(serve_board())
-        return
-    report(asyncio.run(measure()))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    report(asyncio.run(measure()))

@@ -1,10 +1,12 @@
 """The drain handshake with the engine container, through files in an emptyDir both containers mount.
 
-The engine's preStop is ``exec: [/bin/sh, <dir>/prestop]``. The script creates ``<dir>/drain`` and waits for
-``<dir>/drained``, which the sidecar writes once no stream is left, so the engine gets its SIGTERM only then. It
-waits by blocking on a read of the FIFO ``<dir>/hold``, which this process holds open until then: the engine image
-needs nothing but ``sh`` (dash, busybox ash or bash, not even ``sleep``), and the script wakes at once when the
-sidecar closes the FIFO, whether because it drained or because it died.
+The engine's preStop is ``exec: [/bin/sh, <dir>/prestop]``. The script creates ``<dir>/drain``, writes a byte into
+the FIFO ``<dir>/ask`` and waits for ``<dir>/drained``, which the sidecar writes once no stream is left, so the
+engine gets its SIGTERM only then. The sidecar waits on a read of ``ask`` (no timer: an idle sidecar never looks),
+and a sidecar that starts while a preStop already waits finds ``drain``. The script waits by blocking on a read of
+the FIFO ``<dir>/hold``, which this process holds open until then: the engine image needs nothing but ``sh`` (dash,
+busybox ash or bash, not even ``sleep``), and the script wakes at once when the sidecar closes the FIFO, whether
+because it drained or because it died.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ PRESTOP_TEMPLATE = """\
 # (a hung sidecar) and a sidecar that died is waited for until then; without one, a dead sidecar ends it at once.
 dir='{directory}'
 true > "$dir/drain"
+# Wakes the sidecar, which waits on a read of "ask". Opened read-write, so the open never blocks (not even with no
+# sidecar there) and the byte always fits; on a regular builtin, so a failed open ends nothing but the echo.
+[ -p "$dir/ask" ] && echo 2> /dev/null 1<> "$dir/ask"
 [ -e "$dir/drained" ] && exit 0
 [ -p "$dir/hold" ] || exit 0
 centis() {{ read -r up _ < /proc/uptime && echo $(( ${{up%.*}} * 100 + 1${{up#*.}} - 100 )); }}
@@ -48,7 +53,8 @@ while [ ! -e "$dir/drained" ]; do
   fi
 done
 exec 4<&-
-[ -n "$timer" ] && {{ kill "$timer" 2> /dev/null; wait "$timer"; }}
+# Killed before its trap was set, the timer dies of the signal, which "wait" would report on stderr.
+[ -n "$timer" ] && {{ kill "$timer"; wait "$timer"; }} 2> /dev/null
 exit 0
 """
 
@@ -57,6 +63,7 @@ exit 0
 class DrainDir:
     path: Path
     _hold: int | None = field(default=None, repr=False, compare=False)
+    _ask: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def prestop(self) -> Path:
@@ -65,6 +72,10 @@ class DrainDir:
     @property
     def drain(self) -> Path:
         return self.path / "drain"
+
+    @property
+    def ask(self) -> Path:
+        return self.path / "ask"
 
     @property
     def drained(self) -> Path:
@@ -79,15 +90,20 @@ class DrainDir:
         return self.path / "draining"
 
     def prepare(self, *, limit_s: float) -> bool:
-        """Write the preStop script (atomically), hold the FIFO it waits on, clear a stale ``drained``; True if a
-        drain is already asked.
+        """Write the preStop script (atomically), hold the FIFOs it waits on and writes to, clear a stale
+        ``drained``; True if a drain is already asked.
 
         The directory outlives a restart of the sidecar container, so a ``drain`` left by a preStop that is
         still waiting must be honoured, while a ``drained`` from before would release the engine too early.
+        ``ask`` is open before ``drain`` is looked for: a preStop that starts in between is seen by one or the other.
         """
         self.path.mkdir(parents=True, exist_ok=True)
         _remove(self.drained)
-        self._open_hold()
+        # The engine may run as another user: it opens "hold" read-write too, and writes into "ask".
+        if self._hold is None:
+            self._hold = _hold_fifo(self.hold, mode=0o666)
+        if self._ask is None:
+            self._ask = _hold_fifo(self.ask, mode=0o622)
         script = PRESTOP_TEMPLATE.format(
             directory=str(self.path).replace("'", "'\\''"),
             limit_s=math.ceil(limit_s),
@@ -99,29 +115,49 @@ class DrainDir:
         os.replace(partial, self.prestop)
         return self.drain.exists()
 
-    def _open_hold(self) -> None:
-        """Make the FIFO (kept from a previous run: a waiting preStop may have it open) and hold it open.
+    @property
+    def asks(self) -> int:
+        """The descriptor of ``ask``, readable once a preStop has written into it (after ``prepare``)."""
+        if self._ask is None:
+            raise RuntimeError("the drain directory is not prepared")
+        return self._ask
 
-        Read-write, so the open does not wait for a reader (Linux), and non-blocking, so nothing here ever waits.
-        The engine may run as another user: it needs to open the FIFO read-write too.
-        """
-        if self.hold.is_symlink() or (self.hold.exists() and not stat.S_ISFIFO(self.hold.stat().st_mode)):
-            _remove(self.hold)
-        if not self.hold.exists():
-            os.mkfifo(self.hold)
-        os.chmod(self.hold, 0o666)
-        if self._hold is None:
-            self._hold = os.open(self.hold, os.O_RDWR | os.O_NONBLOCK)
+    def take_asks(self) -> bool:
+        """Read what the preStop wrote into ``ask``, without waiting; True if it wrote anything."""
+        written = False
+        while True:
+            try:
+                chunk = os.read(self.asks, 4096)
+            except BlockingIOError:
+                return written
+            if not chunk:  # an end of file, which a FIFO this process holds open for writing never shows
+                return written
+            written = True
 
     def drain_requested(self) -> bool:
         return self.drain.exists()
 
     def mark_drained(self) -> None:
-        """Write ``drained``, then let go of the FIFO: a waiting preStop wakes and finds the file."""
+        """Write ``drained``, then let go of the FIFOs: a waiting preStop wakes and finds the file."""
         self.drained.touch()
-        if self._hold is not None:
-            os.close(self._hold)
-            self._hold = None
+        for descriptor in (self._hold, self._ask):
+            if descriptor is not None:
+                os.close(descriptor)
+        self._hold = self._ask = None
+
+
+def _hold_fifo(path: Path, *, mode: int) -> int:
+    """Make the FIFO at ``path`` (kept from a previous run: a waiting preStop may have it open) and open it.
+
+    Read-write, so the open does not wait for a peer (Linux) and a read never sees an end of file, and
+    non-blocking, so nothing here ever waits.
+    """
+    if path.is_symlink() or (path.exists() and not stat.S_ISFIFO(path.stat().st_mode)):
+        _remove(path)
+    if not path.exists():
+        os.mkfifo(path)
+    os.chmod(path, mode)
+    return os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
 
 def _remove(path: Path) -> None:

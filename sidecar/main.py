@@ -45,13 +45,22 @@ def resumed_drain(drain_dir: DrainDir, metrics: SidecarMetrics) -> DrainRecord |
     return record
 
 
-async def prestop_watcher(drain_dir: DrainDir, lifecycle: Lifecycle, *, interval_s: float) -> None:
-    """Polls for the file the engine's preStop creates; asks for a drain when it appears, and returns."""
-    while not lifecycle.drain_asked.is_set():
-        if drain_dir.drain_requested():
+async def prestop_watcher(drain_dir: DrainDir, lifecycle: Lifecycle) -> None:
+    """Asks for a drain the moment the engine's preStop writes into ``<drain-dir>/ask`` (it has created ``drain``
+    then); returns once a drain is asked, by it or another way. No timer: it waits on the FIFO's descriptor."""
+    if lifecycle.drain_asked.is_set():
+        return
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        if drain_dir.take_asks():
             lifecycle.ask_drain("prestop")
-            return
-        await asyncio.sleep(interval_s)
+
+    loop.add_reader(drain_dir.asks, readable)
+    try:
+        await lifecycle.drain_asked.wait()
+    finally:
+        loop.remove_reader(drain_dir.asks)
 
 
 async def terminator(lifecycle: Lifecycle, stop: asyncio.Event) -> None:
@@ -88,11 +97,10 @@ async def run(settings: SidecarSettings, *, ready_flag: asyncio.Event | None = N
                 return False, lifecycle.phase.value
             return await engine.healthy()
 
-        interval = settings.drain.poll_interval_s
         app = probe_app(registry, ready=ready)
         roles: list[Role] = [
             ("probe_server", serve(app, host=settings.host, port=settings.port, ready_flag=ready_flag)),
-            ("prestop_watcher", prestop_watcher(drain_dir, lifecycle, interval_s=interval)),
+            ("prestop_watcher", prestop_watcher(drain_dir, lifecycle)),
             ("drainer", drainer(lifecycle, engine, drain_dir, settings.drain, metrics)),
             ("terminator", terminator(lifecycle, stop)),
         ]
@@ -105,7 +113,7 @@ async def run(settings: SidecarSettings, *, ready_flag: asyncio.Event | None = N
                         settings.drain.notice_url,
                         lifecycle,
                         metrics,
-                        interval_s=interval,
+                        interval_s=settings.drain.poll_interval_s,
                         wait_s=settings.drain.notice_wait_s,
                     ),
                 )

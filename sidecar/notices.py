@@ -159,5 +159,6 @@ async def notice_watcher(
 
 
 def _drain_for(notice: NodeNotice, lifecycle: Lifecycle) -> None:
-    log.info("notice.received", notice=notice.id, kind=notice.kind, deadline=notice.deadline.isoformat())
+    # Out of rotation first: the log line can wait, every other sidecar on the node is flipping now too.
     lifecycle.ask_drain(f"notice:{notice.kind}", deadline=notice.deadline)
+    log.info("notice.received", notice=notice.id, kind=notice.kind, deadline=notice.deadline.isoformat())

@@ -101,6 +101,17 @@ def every_series() -> CollectorRegistry:
     return registry
 
 
+def ask_drain(drain_dir: Path) -> None:
+    """Ask the sidecar for a drain as the engine's preStop script does, without its wait: create ``drain``, then
+    write a byte into the FIFO ``ask`` (which the sidecar holds open: the open cannot block)."""
+    (drain_dir / "drain").touch()
+    descriptor = os.open(drain_dir / "ask", os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(descriptor, b"\n")
+    finally:
+        os.close(descriptor)
+
+
 async def until(check: Callable[[], bool], *, timeout_s: float = 15) -> None:
     """Return once ``check()`` holds; TimeoutError after ``timeout_s``."""
     async with asyncio.timeout(timeout_s):

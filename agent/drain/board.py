@@ -42,6 +42,7 @@ class NoticeBoard:
     def __init__(self, *, local_node: str | None) -> None:
         self.local_node = local_node
         self.by_node: dict[str, Notice] = {}
+        self._bodies: dict[str, bytes] = {}  # each node's answer, rendered once: its held requests all get it at once
         self._changed: dict[str, asyncio.Event] = {}  # one per node with requests waiting, set and replaced on change
         self._waiting: dict[str, int] = {}
         self._stopping = False
@@ -52,12 +53,14 @@ class NoticeBoard:
         current = self.by_node.get(node)
         if notice.kind.definitive and (current is None or notice.deadline < current.deadline):
             self.by_node[node] = notice
+            self._bodies[node] = json.dumps(notice.public()).encode()
             self._wake(node)
 
     def withdraw(self, node: str, notice: Notice) -> None:
         current = self.by_node.get(node)
         if current is not None and current.id == notice.id:
             del self.by_node[node]
+            del self._bodies[node]
             self._wake(node)
 
     def waiting(self, node: str) -> int:
@@ -101,10 +104,10 @@ class NoticeBoard:
         after = request.query.get("after") or None
         if wait_s > 0 and not self._stopping and self._current_id(node) == after:
             await self._hold(node, wait_s)
-        notice = self.by_node.get(node)
-        if notice is None:
+        body = self._bodies.get(node)
+        if body is None:
             return web.Response(status=204)
-        return web.Response(text=json.dumps(notice.public()), content_type="application/json")
+        return web.Response(body=body, content_type="application/json", charset="utf-8")
 
     async def _release(self, _: web.Application) -> None:
         # A stopping server waits for its handlers: answer the held requests with what is known now, and hold no more.

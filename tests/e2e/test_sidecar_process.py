@@ -117,6 +117,25 @@ async def test_the_engines_prestop_script_returns_once_drained_and_sigterm_then_
     assert await asyncio.wait_for(pod.sidecar.wait(), 2) == 0
 
 
+def switches(pid: int) -> int:
+    """Times the process's main thread has stopped running: each wait it wakes from, and each preemption."""
+    status = Path(f"/proc/{pid}/task/{pid}/status").read_text().splitlines()
+    return sum(int(line.split()[1]) for line in status if line.split(":")[0].endswith("ctxt_switches"))
+
+
+async def test_an_idle_sidecar_runs_no_timer_and_still_leaves_rotation_at_once_on_the_prestop(pod: Pod) -> None:
+    await asyncio.sleep(0.3)  # past the fixture's last /ready and its connection's close
+    before = switches(pod.sidecar.pid)
+    await asyncio.sleep(1.5)  # 7 polls of the drain directory at its --poll-interval, as it once did
+    assert switches(pod.sidecar.pid) == before, "nothing woke the idle sidecar"
+    hook = await asyncio.create_subprocess_exec("/bin/sh", str(pod.drain_dir / "prestop"), env={"PATH": ""})
+    await until(lambda: (pod.drain_dir / "draining").exists(), timeout_s=5)
+    assert await pod.ready() == 503
+    assert await asyncio.wait_for(hook.wait(), 5) == 0
+    started = [e["reason"] for e in pod.log_events() if e["event"] == "drain.started"]
+    assert started == ["prestop"]
+
+
 @pytest.mark.parametrize("pod", [(("--drain-timeout", "1"), ())], indirect=True)
 async def test_the_timeout_cuts_what_is_left_counts_it_and_still_exits_cleanly(pod: Pod) -> None:
     streams = [asyncio.create_task(stream(pod.engine_port, max_tokens=1000)) for _ in range(2)]

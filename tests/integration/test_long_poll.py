@@ -8,11 +8,13 @@ Every wait here is on an event or a condition; the time guards only stop a test 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 
 import aiohttp
+import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
@@ -180,6 +182,26 @@ async def test_two_thousand_held_requests_are_released_by_one_publish_and_one_wi
     assert board.waiting("gpu-1") == 0
 
 
+async def test_the_board_renders_a_notice_once_however_many_requests_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rendered: list[str] = []
+    public = Notice.public
+
+    def counted(self: Notice) -> dict[str, str]:
+        rendered.append(self.id)
+        return public(self)
+
+    monkeypatch.setattr(Notice, "public", counted)
+    board, spot = NoticeBoard(local_node="gpu-1"), notice()
+    async with board_serving(board) as url, aiohttp.ClientSession() as session, asyncio.timeout(GUARD_S):
+        waiting = [await held(board, session, url, "gpu-1", wait="60") for _ in range(3)]
+        board.publish("gpu-1", spot)
+        answers = [await request for request in waiting] + [await get(session, url) for _ in range(3)]
+    assert answers == [(200, json.dumps(public(spot)))] * 6
+    assert rendered == [spot.id], "rendered at the publish, not once per answer: all the node's sidecars ask at once"
+
+
 async def test_a_stopping_agent_answers_its_held_requests_instead_of_waiting_them_out() -> None:
     board = NoticeBoard(local_node="gpu-1")
     async with aiohttp.ClientSession() as session, asyncio.timeout(GUARD_S):
@@ -204,11 +226,14 @@ async def test_a_published_notice_reaches_a_waiting_sidecar_at_once() -> None:
         watch = notice_watcher(session, f"{url}?node=gpu-1", lifecycle, metrics, interval_s=30, wait_s=60)
         task = asyncio.create_task(watch)
         await until(lambda: board.waiting("gpu-1") == 1)
-        board.publish("gpu-1", spot)
-        await task
+        with capture_logs() as logs:
+            board.publish("gpu-1", spot)
+            await task
     assert lifecycle.reason == "notice:spot-interruption"
     assert lifecycle.notice_deadline == spot.deadline
     assert metrics.notice_errors._value.get() == 0
+    # Out of rotation before anything else, even the log line that says why: the node's sidecars all react at once.
+    assert [e["event"] for e in logs] == ["drain.started", "notice.received"]
 
 
 @asynccontextmanager

@@ -9,19 +9,20 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
 from sidecar.main import run
-from sidecar.record import DrainRecord, write_record
+from sidecar.record import DrainRecord, read_record, write_record
 from sidecar.settings import from_arguments
 from simulate.fakes.engine import EngineConfig
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import free_port, status_of, stream
 from spotdrain.cli import build_parser
-from tests.conftest import running_engine, scrape
+from tests.conftest import ask_drain, running_engine, scrape, until
 
 
 class Sidecar:
@@ -95,22 +96,26 @@ async def test_ready_follows_the_engines_health(tmp_path: Path) -> None:
             assert (status, reason.strip()) == (503, unreachable)
 
 
-async def test_the_prestop_file_drains_the_pod_and_drained_comes_after_the_last_stream(tmp_path: Path) -> None:
+async def test_the_prestop_script_drains_the_pod_and_drained_comes_after_the_last_stream(tmp_path: Path) -> None:
     async with (
         running_engine(EngineConfig(tokens_per_s=100)) as engine,
         sidecar(tmp_path, engine, "--poll-interval", "0.1") as car,
     ):
         streams = [asyncio.create_task(stream(engine, max_tokens=n)) for n in (30, 60)]
         await asyncio.sleep(0.1)
-        (tmp_path / "drain").touch()
-        await asyncio.sleep(0.2)
+        # As the kubelet runs it; no PATH, so no timer outlives the test.
+        hook = await asyncio.create_subprocess_exec("/bin/sh", str(tmp_path / "prestop"), env={"PATH": ""})
+        await until(lambda: car.task.done() or (tmp_path / "draining").exists(), timeout_s=5)
         assert await car.ready() == 503
+        assert hook.returncode is None, "the preStop waits while streams run"
+        assert read_record(tmp_path / "draining") == DrainRecord("prestop", ANY, None)
         results = await asyncio.gather(*streams)
         ended = asyncio.get_running_loop().time()
         assert [len(r) for r in results] == [31, 61]
         assert all(r[-1] == "[DONE]" for r in results)
         await car.wait_drained(2)
         assert asyncio.get_running_loop().time() - ended < 0.5
+        assert await asyncio.wait_for(hook.wait(), 5) == 0
         assert not car.task.done(), "without SIGTERM the sidecar stays, drained"
         assert await car.metric('spotdrain_sidecar_drains_total{outcome="drained"}') == 1
         assert await car.metric("spotdrain_sidecar_drains_total") == 1
@@ -176,7 +181,7 @@ async def test_an_unreadable_metrics_page_never_ends_a_drain_early(tmp_path: Pat
             flags = ("--poll-interval", "0.05", "--drain-timeout", "0.8")
             async with sidecar(tmp_path / kind, port, *flags) as car:
                 started = asyncio.get_running_loop().time()
-                (car.drain_dir / "drain").touch()
+                ask_drain(car.drain_dir)
                 await car.wait_drained(3)
                 assert asyncio.get_running_loop().time() - started >= 0.7
                 assert (await car.metric(f'spotdrain_sidecar_read_errors_total{{kind="{kind}"}}') or 0) >= 5
@@ -193,7 +198,7 @@ async def test_a_gauge_stuck_after_clients_left_ends_as_a_stall(tmp_path: Path) 
         flags = ("--poll-interval", "0.05", "--stall-after", "0.5", "--drain-timeout", "20")
         with capture_logs() as logs:
             async with sidecar(tmp_path, engine, *flags) as car:
-                (tmp_path / "drain").touch()
+                ask_drain(tmp_path)
                 await car.wait_drained(5)
         finished = [e for e in logs if e["event"] == "drain.finished"]
         assert finished[0]["outcome"] == "stalled"
@@ -207,7 +212,7 @@ async def test_streams_longer_than_the_timeout_are_cut_and_counted(tmp_path: Pat
         flags = ("--poll-interval", "0.1", "--drain-timeout", "0.6")
         with capture_logs() as logs:
             async with sidecar(tmp_path, engine, *flags) as car:
-                (tmp_path / "drain").touch()
+                ask_drain(tmp_path)
                 await car.wait_drained(3)
                 assert await car.metric("spotdrain_sidecar_streams_cut_total") == 3
                 assert await car.metric('spotdrain_sidecar_drains_total{outcome="timeout"}') == 1
@@ -236,7 +241,7 @@ async def test_the_readiness_gate_is_true_while_serving_and_false_once_draining(
             async with asyncio.timeout(5):
                 while gate() != "True":
                     await asyncio.sleep(0.02)
-            (car.drain_dir / "drain").touch()
+            ask_drain(car.drain_dir)
             async with asyncio.timeout(5):
                 while gate() != "False":
                     await asyncio.sleep(0.02)
@@ -304,7 +309,7 @@ async def test_a_zero_on_a_page_that_lags_the_engine_is_believed_only_across_the
         async with sidecar(tmp_path, engine, *flags, "--drain-timeout", "10") as car:
             running = asyncio.create_task(stream(engine, max_tokens=60))  # 1.2 s, shown from 1 s on
             await asyncio.sleep(0.05)
-            (tmp_path / "drain").touch()
+            ask_drain(tmp_path)
             result = await running
             assert result[-1] == "[DONE]"
             assert not (tmp_path / "drained").exists(), "the page's stale zero ended the drain under a stream"
@@ -319,7 +324,7 @@ async def test_a_client_still_connected_after_the_gauge_dropped_holds_the_drain(
     ):
         running = asyncio.create_task(stream(engine, max_tokens=20))  # 0.2 s, then 1 s with the gauge at 0
         await asyncio.sleep(0.05)
-        (tmp_path / "drain").touch()
+        ask_drain(tmp_path)
         result = await running
         assert result[-1] == "[DONE]"
         assert not (tmp_path / "drained").exists(), "the drain ended while the client was still receiving"

@@ -19,7 +19,7 @@ from simulate.fakes.engine import EngineConfig
 from simulate.fakes.kube import FakeKube
 from spotdrain.kube_rest import InCluster, patch
 from spotdrain.retry import ApiError
-from tests.conftest import running_engine
+from tests.conftest import ask_drain, running_engine
 from tests.deploy.test_inject import VLLM
 from tests.integration.test_sidecar import Sidecar, sidecar
 
@@ -135,7 +135,7 @@ async def test_a_token_refused_or_without_the_permission_is_an_error_at_start_co
             assert (failed["log_level"], failed["kind"], said in failed["error"]) == ("error", kind, True)
             await settles(car, logs)
             assert await car.metric(f'spotdrain_sidecar_readiness_gate_errors_total{{kind="{kind}"}}') == 1
-            (car.drain_dir / "drain").touch()
+            ask_drain(car.drain_dir)
             await car.wait_drained(5)
     assert kube.count("PATCH", "/api/v1/namespaces/{namespace}/pods/{name}/status") == 1, "not patched again"
     assert ready(kube) == "False"

@@ -6,7 +6,9 @@ kill); the script runs as the kubelet runs it, ``/bin/sh <dir>/prestop``, but un
 
 from __future__ import annotations
 
+import asyncio
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -19,6 +21,12 @@ from pathlib import Path
 import pytest
 
 from sidecar.handshake import DrainDir
+from sidecar.lifecycle import Lifecycle
+from sidecar.main import prestop_watcher
+from sidecar.metrics import SidecarMetrics
+from sidecar.state import Phase
+from spotdrain.metrics import CollectorRegistry
+from tests.conftest import ask_drain
 
 # Each shell as an argv prefix; a shell this machine lacks is skipped with its reason (CI installs dash and busybox).
 SHELLS = {"dash": ["dash"], "busybox ash": ["busybox", "ash"], "bash": ["bash"]}
@@ -97,6 +105,9 @@ def test_prepare_writes_an_executable_prestop_and_clears_a_stale_drained(tmp_pat
     assert drain_dir.prestop.read_text().startswith("#!/bin/sh\n")
     assert drain_dir.hold.is_fifo()
     assert drain_dir.hold.stat().st_mode & 0o777 == 0o666, "an engine running as another user opens it too"
+    assert drain_dir.ask.is_fifo()
+    assert drain_dir.ask.stat().st_mode & 0o777 == 0o622, "an engine running as another user writes into it"
+    assert drain_dir.take_asks() is False, "nothing asked yet"
     drain_dir.mark_drained()
 
 
@@ -110,7 +121,7 @@ def test_prepare_reports_a_drain_a_waiting_prestop_already_asked_for(tmp_path: P
 @pytest.mark.parametrize("kind", ["file", "directory", "symlink"])
 def test_prepare_replaces_whatever_is_where_its_files_go(tmp_path: Path, kind: str) -> None:
     drain_dir = DrainDir(tmp_path)
-    for path in (drain_dir.hold, drain_dir.drained):
+    for path in (drain_dir.hold, drain_dir.ask, drain_dir.drained):
         if kind == "file":
             path.write_text("not a fifo")
         elif kind == "directory":
@@ -119,9 +130,39 @@ def test_prepare_replaces_whatever_is_where_its_files_go(tmp_path: Path, kind: s
             path.symlink_to(tmp_path / "elsewhere")
     drain_dir.prepare(limit_s=5)
     assert drain_dir.hold.is_fifo()
+    assert drain_dir.ask.is_fifo()
     assert not drain_dir.drained.exists()
     assert not drain_dir.drained.is_symlink()
     drain_dir.mark_drained()
+
+
+def test_prestop_wakes_the_sidecar_through_the_ask_fifo_once_drain_exists(
+    shell: list[str], path: str, drain_dir: DrainDir
+) -> None:
+    drain_dir.prepare(limit_s=30)
+    hook = run_prestop(shell, drain_dir, path)
+    readable, _, _ = select.select([drain_dir.asks], [], [], 5)
+    assert readable == [drain_dir.asks], "the sidecar's descriptor wakes: no timer needed to notice the preStop"
+    assert drain_dir.take_asks() is True
+    assert drain_dir.take_asks() is False, "read once, asked once"
+    assert hook.poll() is None, "writing the ask never ends the wait"
+    drain_dir.mark_drained()
+    assert hook.wait(timeout=5) == 0
+    assert hook.stderr is not None
+    assert hook.stderr.read() == b""
+
+
+def test_prestop_with_no_sidecar_holding_the_ask_fifo_neither_blocks_nor_fails(
+    shell: list[str], tmp_path: Path
+) -> None:
+    drain_dir = DrainDir(tmp_path / "run")
+    drain_dir.prepare(limit_s=0.2)
+    drain_dir.mark_drained()  # lets go of both FIFOs
+    drain_dir.drained.unlink()  # and never drained: the sidecar died, no one holds "ask", the open must not block
+    done = subprocess.run([*shell, str(drain_dir.prestop)], env={"PATH": ""}, timeout=5, stderr=subprocess.PIPE)
+    assert (done.returncode, done.stderr) == (0, b"")
+    assert drain_dir.drain_requested()
+    assert drain_dir.ask.is_fifo(), "the open for writing created nothing in its place"
 
 
 def test_prestop_waits_without_cpu_and_returns_within_a_fifth_of_a_second_of_drained(
@@ -209,3 +250,31 @@ def test_prestop_handles_a_directory_with_a_quote_in_its_name(tmp_path: Path) ->
     drain_dir.mark_drained()
     assert subprocess.run(["/bin/sh", str(drain_dir.prestop)], timeout=5).returncode == 0
     assert drain_dir.drain_requested()
+
+
+async def test_the_watcher_asks_for_the_drain_when_the_prestop_writes_and_then_stops_watching(tmp_path: Path) -> None:
+    drain_dir, lifecycle = DrainDir(tmp_path), Lifecycle(SidecarMetrics.create(CollectorRegistry()))
+    drain_dir.prepare(limit_s=5)
+    watcher = asyncio.create_task(prestop_watcher(drain_dir, lifecycle))
+    await asyncio.sleep(0)
+    assert not watcher.done()
+    ask_drain(tmp_path)
+    await asyncio.wait_for(watcher, 5)
+    assert (lifecycle.reason, lifecycle.phase) == ("prestop", Phase.DRAINING)
+    assert asyncio.get_running_loop().remove_reader(drain_dir.asks) is False, "the descriptor is no longer watched"
+    drain_dir.mark_drained()
+
+
+async def test_the_watcher_returns_once_a_drain_starts_another_way_and_a_late_prestop_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    drain_dir, lifecycle = DrainDir(tmp_path), Lifecycle(SidecarMetrics.create(CollectorRegistry()))
+    drain_dir.prepare(limit_s=5)
+    watcher = asyncio.create_task(prestop_watcher(drain_dir, lifecycle))
+    await asyncio.sleep(0)
+    lifecycle.ask_drain("sigterm")  # the kubelet signals the sidecar while it runs the engine's preStop
+    await asyncio.wait_for(watcher, 5)
+    ask_drain(tmp_path)
+    assert lifecycle.reason == "sigterm"
+    assert asyncio.get_running_loop().remove_reader(drain_dir.asks) is False
+    drain_dir.mark_drained()
