@@ -12,7 +12,7 @@ import pytest
 from inject.rbac import gate_objects
 from simulate.fakes.engine import EngineConfig
 from simulate.fakes.kube import FakeKube
-from tests.conftest import running_engine
+from tests.conftest import ask_drain, running_engine
 from tests.deploy.manifests import grants, needed
 from tests.integration.test_sidecar import sidecar
 
@@ -42,7 +42,7 @@ async def test_the_printed_rbac_grants_exactly_what_the_gate_calls(kube: FakeKub
         async with asyncio.timeout(5):
             while _gate(kube) != "True":
                 await asyncio.sleep(0.02)
-        (car.drain_dir / "drain").touch()
+        ask_drain(car.drain_dir)
         await car.wait_drained(10)
         async with asyncio.timeout(5):
             while _gate(kube) != "False":
