@@ -99,11 +99,11 @@ class DrainDir:
         """
         self.path.mkdir(parents=True, exist_ok=True)
         _remove(self.drained)
-        # The engine may run as another user: it opens "hold" read-write too, and writes into "ask".
+        # The engine may run as another user: it opens both read-write (the shell's `<>`, which never blocks on a FIFO).
         if self._hold is None:
             self._hold = _hold_fifo(self.hold, mode=0o666)
         if self._ask is None:
-            self._ask = _hold_fifo(self.ask, mode=0o622)
+            self._ask = _hold_fifo(self.ask, mode=0o666)
         script = PRESTOP_TEMPLATE.format(
             directory=str(self.path).replace("'", "'\\''"),
             limit_s=math.ceil(limit_s),

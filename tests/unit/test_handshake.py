@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -106,7 +107,7 @@ def test_prepare_writes_an_executable_prestop_and_clears_a_stale_drained(tmp_pat
     assert drain_dir.hold.is_fifo()
     assert drain_dir.hold.stat().st_mode & 0o777 == 0o666, "an engine running as another user opens it too"
     assert drain_dir.ask.is_fifo()
-    assert drain_dir.ask.stat().st_mode & 0o777 == 0o622, "an engine running as another user writes into it"
+    assert drain_dir.ask.stat().st_mode & 0o777 == 0o666, "an engine running as another user opens it read-write"
     assert drain_dir.take_asks() is False, "nothing asked yet"
     drain_dir.mark_drained()
 
@@ -150,6 +151,25 @@ def test_prestop_wakes_the_sidecar_through_the_ask_fifo_once_drain_exists(
     assert hook.wait(timeout=5) == 0
     assert hook.stderr is not None
     assert hook.stderr.read() == b""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running the hook as another user needs root")
+def test_prestop_run_as_another_user_wakes_the_sidecar(shell: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as name:  # in /tmp: every user can reach it, unlike pytest's tmp_path
+        Path(name).chmod(0o755)
+        directory = Path(name) / "run"
+        directory.mkdir()
+        directory.chmod(0o777)  # an emptyDir, writable by every container's user
+        drain_dir = DrainDir(directory)
+        drain_dir.prepare(limit_s=30)
+        hook = subprocess.Popen([*shell, str(drain_dir.prestop)], env={"PATH": ""}, user=65534, group=65534)
+        try:
+            readable, _, _ = select.select([drain_dir.asks], [], [], 5)
+            assert readable == [drain_dir.asks], "the engine's user could write into ask"
+        finally:
+            drain_dir.mark_drained()
+            hook.wait(timeout=5)
+    assert hook.returncode == 0
 
 
 def test_prestop_with_no_sidecar_holding_the_ask_fifo_neither_blocks_nor_fails(
