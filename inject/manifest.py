@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +167,25 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _as_written(base: Callable[[yaml.SafeLoader, yaml.ScalarNode], Any]) -> Callable[[_Loader, yaml.ScalarNode], Any]:
+    """A YAML 1.1 scalar that kubectl reads as the string it is: a time (``2026-01-01T10:00:00Z``), or a number in
+    base 60 (``1:30``). Kubernetes' YAML reader (sigs.k8s.io/yaml, a fork of go-yaml v2) has no base-60 numbers and
+    keeps timestamps as strings when decoding into JSON; PyYAML would turn them into 90 or a datetime, and the
+    document written back would say something else."""
+
+    def construct(loader: _Loader, node: yaml.ScalarNode) -> Any:
+        if node.tag == "tag:yaml.org,2002:timestamp" or ":" in str(node.value):
+            return loader.construct_scalar(node)
+        return base(loader, node)
+
+    return construct
+
+
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", _as_written(yaml.SafeLoader.construct_yaml_timestamp))
+_Loader.add_constructor("tag:yaml.org,2002:int", _as_written(yaml.SafeLoader.construct_yaml_int))
+_Loader.add_constructor("tag:yaml.org,2002:float", _as_written(yaml.SafeLoader.construct_yaml_float))
+
+
 def dump(obj: Obj) -> str:
     return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=2**16, allow_unicode=True)
 
@@ -257,8 +277,8 @@ def inject_text(text: str, options: Options) -> Injected:
             continue
         items = obj["items"] if isinstance(obj.get("items"), list) else [obj]
         injected.present.update(_identity(each) for each in items if isinstance(each, dict))
-        if obj["kind"] == "PodDisruptionBudget":
-            injected.budgets[_describe(obj)] = section(obj, "spec", "spec").get(POLICY) == ALWAYS_ALLOW
+        for budget in (each for each in items if isinstance(each, dict) and each.get("kind") == "PodDisruptionBudget"):
+            injected.budgets[_describe(budget)] = section(budget, "spec", "spec").get(POLICY) == ALWAYS_ALLOW
         invalid = [f"{document.name}, {problem}" for problem in invalid_fields(obj)]
         injected.invalid.extend(invalid)
         edited = copy.deepcopy(obj)

@@ -30,18 +30,19 @@ def event_text(notice: Notice, *, withdrawn: bool) -> tuple[str, str]:
 class NodeEvents:
     def __init__(self, actions: NodeActions) -> None:
         self.actions = actions
-        self._writing: dict[str, set[asyncio.Task[None]]] = {}  # by notice id
+        # By notice id and withdrawal: a mark and its withdrawal may be acted on at once, each waiting for its own.
+        self._writing: dict[tuple[str, bool], set[asyncio.Task[None]]] = {}
 
     def write(self, node: Node, notice: Notice, *, withdrawn: bool) -> None:
         """Start writing the Event for what was just done to ``node``."""
+        key = (notice.id, withdrawn)
         task = asyncio.create_task(self._write(node, notice, withdrawn=withdrawn))
-        tasks = self._writing.setdefault(notice.id, set())
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        self._writing.setdefault(key, set()).add(task)
+        task.add_done_callback(lambda done: self._forget(key, done))
 
     async def written(self, notice: Notice) -> None:
         """Return once the Events started for ``notice`` have been written (or failed)."""
-        await asyncio.gather(*self._writing.pop(notice.id, ()))
+        await asyncio.gather(*self._writing.get((notice.id, notice.withdrawn), ()))
 
     def cancel(self) -> list[asyncio.Task[None]]:
         """Stop writing every Event (the agent is stopping); returns the tasks to wait for."""
@@ -49,6 +50,13 @@ class NodeEvents:
         for task in tasks:
             task.cancel()
         return tasks
+
+    def _forget(self, key: tuple[str, bool], task: asyncio.Task[None]) -> None:
+        # A notice given up at its deadline never asks for its Events: their entries go as they end.
+        tasks = self._writing.get(key, set())
+        tasks.discard(task)
+        if not tasks:
+            self._writing.pop(key, None)
 
     async def _write(self, node: Node, notice: Notice, *, withdrawn: bool) -> None:
         reason, message = event_text(notice, withdrawn=withdrawn)

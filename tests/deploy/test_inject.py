@@ -374,6 +374,17 @@ def test_a_budget_without_always_allow_is_named_in_a_warning(
     assert (code, "warning" in err, "note" in err) == (0, False, False)
 
 
+def test_a_budget_inside_a_list_is_named_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `kubectl get deploy,pdb -o yaml` prints a List
+    path = tmp_path / "app.yaml"
+    path.write_text(
+        yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": [yaml.safe_load(VLLM), yaml.safe_load(BUDGET)]})
+    )
+    code, _, err = _run(capsys, "-f", str(path))
+    assert code == 0
+    assert "warning: PodDisruptionBudget default/vllm has no unhealthyPodEvictionPolicy: AlwaysAllow" in err
+
+
 def test_a_workload_given_the_sidecar_comes_with_a_note_on_budgets(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -55,6 +55,16 @@ def test_the_engines_own_readiness_probe_is_kept_exactly_as_written() -> None:
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8081}
 
 
+def test_scalars_kubectl_reads_as_strings_stay_the_strings_they_were() -> None:
+    # YAML 1.1 reads 1:30 as 90 (base 60) and 2026-01-01T10:00:00Z as a datetime; kubectl reads both as strings.
+    text = (
+        VLLM
+        + "          env:\n            - {name: T, value: 1:30}\n            - {name: W, value: 2026-01-01T10:00:00Z}\n"
+    )
+    engine = _spec(inject_text(text, Options()).text)["containers"][0]
+    assert engine["env"][:2] == [{"name": "T", "value": "1:30"}, {"name": "W", "value": "2026-01-01T10:00:00Z"}]
+
+
 @pytest.mark.parametrize("text", [VLLM, VLLM + PROBE, TGI, RAY], ids=["no-probe", "own-probe", "tgi", "ray"])
 def test_the_pod_leaves_rotation_at_the_first_503_of_the_sidecars_ready(text: str) -> None:
     # A pod is Ready when every container is: the sidecar's probe alone, failing once, takes it out.
