@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--gate-rbac",
         default=True,
-        help="with --readiness-gate, also print the ServiceAccount, Role and RoleBinding the gate needs",
+        help="with --readiness-gate, also print the Role and RoleBinding the gate needs (not the ServiceAccount)",
     )
 
 

@@ -122,7 +122,7 @@ def _check_free(spec: Obj, engine: Obj, where: str) -> None:
     """Refuse what injecting would silently break: a preStop of the user's, port 8081 taken, a volume named ours,
     something else mounted where the handshake's directory goes."""
     name = engine.get("name")
-    pre_stop = section(engine, "lifecycle", where).get("preStop")
+    pre_stop = section(engine, "lifecycle", f"{where}.containers[{name}]").get("preStop")
     if pre_stop is not None and pre_stop != prestop():
         raise InjectError(f"{where}: container {name!r} already has a preStop hook; remove it first")
     for mount in list_of(engine, "volumeMounts", f"{where} container {name!r}"):
@@ -159,7 +159,10 @@ def _add_once(items: list[Any], item: Obj, *, key: str) -> None:
 
 def _wire_engine(engine: Obj, where: str) -> None:
     """The preStop handshake and the drain directory mounted; the engine's probes are left as they are."""
-    engine["lifecycle"] = {**section(engine, "lifecycle", where), "preStop": prestop()}
+    engine["lifecycle"] = {
+        **section(engine, "lifecycle", f"{where}.containers[{engine.get('name')}]"),
+        "preStop": prestop(),
+    }
     mounts = _list(engine, "volumeMounts", f"{where} container {engine.get('name')!r}")
     _add_once(mounts, _drain_mount(), key="mountPath")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 class Readiness(enum.Enum):
-    SIDECAR = "sidecar"  # the sidecar's /ready, as spotdrain's injection sets the engine's probe
+    SIDECAR = "sidecar"  # the sidecar container's own probe of its /ready, as spotdrain's injection adds it
     HEALTH = "health"  # httpGet /health on the engine, as vLLM's Kubernetes guide has it
     SEED = "seed"  # the write-ups' exec probe: SEED_READINESS
 

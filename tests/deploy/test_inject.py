@@ -409,7 +409,7 @@ def test_the_command_reads_standard_input(monkeypatch: pytest.MonkeyPatch, capsy
         (CONFIG_MAP + "---\n- a\n- b\n", "document 2 (line 10): not a Kubernetes object but a list"),
         ("just words\n", "document 1 (line 1): not a Kubernetes object but a str"),
         ("name: x\n", "document 1 (line 1): not a Kubernetes object (no apiVersion and kind)"),
-        ("created: 2026-13-40\n", "document 1 (line 1): not YAML"),
+        ("created: !!python/name:os.system\n", "document 1 (line 1): not YAML"),  # a tag safe loading refuses
         ("# nothing\n", "the input holds no Kubernetes object"),
         (VLLM.replace("      containers:\n", "      containers: oops\n      x:\n"), "containers is not a list"),
     ],
