@@ -35,7 +35,7 @@ from simulate.fakes.aws import REGION, MotoServer
 from simulate.fakes.events import spot_warning
 from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.kube_store import NODES
+from simulate.fakes.kube_resources import NODES
 from spotdrain.clock import rfc3339, utcnow
 
 API_FAULTS = ("hang", "drop", "garbage", "server-error", "conflict", "throttled")
