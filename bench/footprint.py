@@ -36,7 +36,7 @@ from bench.node import agent_args
 from simulate.fakes.aws import REGION
 from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.processes import engine_args, free_port, sidecar_args, start
+from simulate.fakes.processes import engine_args, free_port, sidecar_args, start, stop
 from simulate.fakes.tls import TlsFiles, write_tls_files
 
 WINDOW_S = 60.0
@@ -149,16 +149,6 @@ async def programs(workdir: Path, stack: AsyncExitStack, tls: TlsFiles) -> list[
             "spotdrain webhook, TLS, no admission request (deploy/webhook)",
         ),
     ]
-
-
-async def stop(process: Process) -> None:
-    if process.returncode is None:
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), 10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
 
 
 async def probing(probe: Probe, context: ssl.SSLContext, failures: list[str]) -> None:

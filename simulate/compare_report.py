@@ -36,14 +36,14 @@ def header(s: SimulationSettings) -> str:
 
 def _out(r: Row) -> str:
     if r.stayed:
-        return f"not before the deadline ({r.stayed} pods)"
+        return f"not before the deadline ({_pods(r.stayed)})"
     return "-" if r.out_s is None else f"{r.out_s:.2f} s"
 
 
 def _empty(r: Row) -> str:
     if r.empty_s is not None:
         return f"{r.empty_s:.1f} s"
-    return f"not empty: {r.lost} pods lost" if r.lost else "not empty"
+    return f"not empty: {_pods(r.lost)} lost" if r.lost else "not empty"
 
 
 def cells(played: Played) -> list[str]:
@@ -136,3 +136,7 @@ def render_html(c: Comparison) -> str:
         f'<p class="legend">{LEGEND}</p>{"".join(sections)}{judged}'
         "</body></html>\n"
     )
+
+
+def _pods(count: int) -> str:
+    return f"{count} pod" if count == 1 else f"{count} pods"

@@ -58,6 +58,17 @@ async def start(
         )
 
 
+async def stop(process: asyncio.subprocess.Process, *, within_s: float = 10.0) -> None:
+    """SIGTERM, and SIGKILL if it has not exited ``within_s`` seconds later; returns once it has exited."""
+    if process.returncode is None:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), within_s)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
 def engine_args(port: int, *extra: str) -> list[str]:
     return ["-m", "simulate.fakes.engine", "--port", str(port), *extra]
 

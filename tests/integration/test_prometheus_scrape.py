@@ -20,7 +20,7 @@ from simulate.fakes.aws import REGION, MotoServer
 from simulate.fakes.engine import EngineConfig
 from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.processes import free_port
+from simulate.fakes.processes import free_port, stop
 from spotdrain.cli import build_parser
 from tests.conftest import running_engine
 from tests.deploy.test_prometheus import dashboard_queries, keda_queries
@@ -63,12 +63,7 @@ async def prometheus(tmp_path: Path, targets: dict[int, dict[str, str]]) -> Asyn
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), 10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        await stop(process)
 
 
 async def query(session: aiohttp.ClientSession, url: str, promql: str) -> list[Any]:

@@ -14,12 +14,14 @@ import yaml
 from structlog.testing import capture_logs
 
 from inject.manifest import inject_text
+from inject.rbac import gate_objects
 from inject.spec import Options
 from simulate.fakes.engine import EngineConfig
 from simulate.fakes.kube import FakeKube
 from spotdrain.kube_rest import InCluster, patch
 from spotdrain.retry import ApiError
 from tests.conftest import ask_drain, running_engine
+from tests.deploy.manifests import grants, needed
 from tests.deploy.test_inject import VLLM
 from tests.integration.test_sidecar import Sidecar, sidecar
 
@@ -171,3 +173,25 @@ async def test_an_injected_pod_with_the_gate_becomes_ready_with_its_own_token(ku
             while ready(kube) != "True":
                 await asyncio.sleep(0.02)
         assert await car.metric("spotdrain_sidecar_readiness_gate_errors_total") == 0
+
+
+def gate_status(kube: FakeKube) -> str | None:
+    pod = kube.pod("ml", "vllm-0") or {}
+    return next((str(c["status"]) for c in pod["status"].get("conditions", []) if c["type"] == GATE), None)
+
+
+async def test_the_printed_rbac_grants_exactly_what_the_gate_calls(kube: FakeKube, tmp_path: Path) -> None:
+    """The RBAC ``spotdrain inject --readiness-gate`` prints is exactly what a real sidecar's gate calls need, through
+    serving and a whole drain: nothing more and nothing less."""
+    granted = grants(gate_objects([("ml", "vllm")], set()), "ml", "vllm")
+    account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
+    async with running_engine(EngineConfig()) as engine, sidecar(tmp_path / "run", engine, *gate_flags(account)) as car:
+        async with asyncio.timeout(5):
+            while gate_status(kube) != "True":
+                await asyncio.sleep(0.02)
+        ask_drain(car.drain_dir)
+        await car.wait_drained(10)
+        async with asyncio.timeout(5):
+            while gate_status(kube) != "False":
+                await asyncio.sleep(0.02)
+    assert needed(kube.calls, granted) == granted
