@@ -20,7 +20,8 @@ import boto3
 
 from bench.common import Result
 from bench.common import report as print_results
-from simulate.campaign import campaign, report
+from simulate.campaign import campaign
+from simulate.campaign_tally import report
 from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
 
 RUNS = 300

@@ -40,7 +40,8 @@ def vllm_page(in_flight: int) -> list[bytes]:
     it does while streams run, so no sidecar sees a stall)."""
     from prometheus_client.exposition import generate_latest
 
-    from simulate.fakes.engine import EngineConfig, VllmMetrics
+    from simulate.fakes.engine import EngineConfig
+    from simulate.fakes.engine_metrics import VllmMetrics
 
     metrics = VllmMetrics(EngineConfig(model=MODEL))
     metrics.running.labels(model_name=MODEL, engine="0").set(in_flight)

@@ -8,7 +8,8 @@ from prometheus_client.exposition import generate_latest
 
 from bench.common import Result, report
 from sidecar.engines import ENGINES, in_flight
-from simulate.fakes.engine import EngineConfig, VllmMetrics
+from simulate.fakes.engine import EngineConfig
+from simulate.fakes.engine_metrics import VllmMetrics
 
 TARGET_MS = 1.0
 

@@ -6,123 +6,24 @@ prometheus_client as vLLM does. ``python -m simulate.fakes.engine --port 8000`` 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import signal
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from simulate.fakes.engine_config import EngineConfig as EngineConfig  # where the tests and benchmarks take it
+from simulate.fakes.engine_config import parse_flags
+from simulate.fakes.engine_metrics import VllmMetrics
 from simulate.fakes.openai_format import DONE, Job, Stream, error_body, read_job, sse
 from simulate.fakes.tokens import VOCAB, Context, text_of
 
 log = structlog.get_logger()
-
-LABELS = ["model_name", "engine"]
-# fmt: off
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0)
-# fmt: on
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "meta-llama/Llama-3.1-8B-Instruct"
-    engines: int = 1  # data-parallel engines, one series each
-    tokens_per_s: float = 50.0
-    max_running: int = 256  # per engine; beyond it requests wait
-    kv_blocks: int = 1000  # per engine; a running stream holds one block per 16 tokens
-    leak_disconnected: bool = False  # keep counting a stream whose client went away, as vLLM's gauges can
-    # The page shows the gauges as they were this long ago: Ray's metrics agent exports every
-    # metrics_report_interval_ms (10 s by default), TGI sets its batch size only once a prefill returns.
-    report_delay_s: float = 0.0
-    # A stream leaves the gauges this long before its last bytes and the end of its response, as a client still
-    # receiving buffered bytes does after vLLM has counted the request finished.
-    linger_s: float = 0.0
-    metrics_port: int | None = None  # also serve on this port, as Ray's metrics agent does beside Serve's
-    max_model_len: int = 32768
-    fault: str | None = None  # one of FAULTS: how each stream fails once it has sent ``fault_after`` tokens
-    fault_after: int = 0
-
-
-# drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
-# bytes, connection open; garbage: bytes that are not SSE, with the 200; unavailable: a 503 before any stream.
-FAULTS = ("drop", "abort", "error", "hang", "garbage", "unavailable")
-
-
-class VllmMetrics:
-    def __init__(self, config: EngineConfig) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.running = Gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            LABELS,
-            registry=r,
-            multiprocess_mode="mostrecent",
-        )
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            LABELS,
-            registry=r,
-            multiprocess_mode="mostrecent",
-        )
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            LABELS,
-            registry=r,
-            multiprocess_mode="mostrecent",
-        )
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
-        )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            LABELS,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            LABELS,
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            LABELS,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        )
-        for engine in range(config.engines):
-            for metric in (
-                self.running,
-                self.waiting,
-                self.kv_usage,
-                self.prompt_tokens,
-                self.generation_tokens,
-                self.ttft,
-                self.itl,
-                self.e2e,
-            ):
-                metric.labels(model_name=config.model, engine=str(engine))
 
 
 class FakeEngine:
@@ -328,34 +229,6 @@ class FakeEngine:
         return app
 
 
-def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, EngineConfig]:
-    parser = argparse.ArgumentParser(prog="python -m simulate.fakes.engine", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model", default=EngineConfig.model)
-    parser.add_argument("--engines", type=int, default=1, help="data-parallel engines (one series each)")
-    parser.add_argument("--tokens-per-second", type=float, default=EngineConfig.tokens_per_s)
-    parser.add_argument("--max-running", type=int, default=EngineConfig.max_running)
-    parser.add_argument("--leak-disconnected", action="store_true", help="keep counting streams whose client left")
-    parser.add_argument("--report-delay", type=float, default=0.0, help="seconds the metrics page lags the engine")
-    parser.add_argument("--linger", type=float, default=0.0, help="seconds a stream stays open after its gauge drops")
-    parser.add_argument("--fault", choices=FAULTS, help="fail every stream this way (see FAULTS)")
-    parser.add_argument("--fault-after", type=int, default=0, help="tokens a stream sends before its fault")
-    args = parser.parse_args(argv)
-    config = EngineConfig(
-        model=args.model,
-        engines=args.engines,
-        tokens_per_s=args.tokens_per_second,
-        max_running=args.max_running,
-        leak_disconnected=args.leak_disconnected,
-        report_delay_s=args.report_delay,
-        linger_s=args.linger,
-        fault=args.fault,
-        fault_after=args.fault_after,
-    )
-    return args, config
-
-
 async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyncio.Event) -> FakeEngine:
     """Serve until ``stop`` is set, then close at once, cutting open streams as an engine on SIGTERM does.
 
@@ -381,7 +254,7 @@ async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyn
 def main(argv: list[str] | None = None) -> None:
     from spotdrain.logs import configure_logging
 
-    args, config = _parse(argv)
+    args, config = parse_flags(argv, description=__doc__)
     configure_logging()
 
     async def run() -> None:

@@ -32,8 +32,9 @@ from simulate.fakes.faults import Faults
 from simulate.fakes.kube_api import Api, DeleteHook, Deletion
 from simulate.fakes.kube_auth import Accounts
 from simulate.fakes.kube_cluster import Cluster
+from simulate.fakes.kube_resources import route
 from simulate.fakes.kube_select import KubeError, bad_request, flag
-from simulate.fakes.kube_store import Store, route
+from simulate.fakes.kube_store import Store
 from simulate.fakes.kube_watch import BOOKMARK_EVERY_S, Watches
 from simulate.fakes.tls import TlsFiles, server_ssl_context, write_tls_files
 from spotdrain.clock import utcnow

@@ -20,8 +20,9 @@ import structlog
 from simulate.fakes.kube_budget import disruption_budget, eviction_refusal, pdb_status
 from simulate.fakes.kube_objects import effective_grace, with_ready_condition
 from simulate.fakes.kube_patch import apply_patch
+from simulate.fakes.kube_resources import PDBS, PODS, Target
 from simulate.fakes.kube_select import KubeError, Obj, bad_request
-from simulate.fakes.kube_store import PDBS, PODS, Store, Target, confine, conflict, selected
+from simulate.fakes.kube_store import Store, confine, conflict, selected
 from spotdrain.clock import rfc3339
 
 log = structlog.get_logger()

@@ -14,8 +14,8 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from simulate.fakes.kube_resources import Target
 from simulate.fakes.kube_select import KubeError, flag
-from simulate.fakes.kube_store import Target
 
 ADMIN = "kubernetes-admin"
 _VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}

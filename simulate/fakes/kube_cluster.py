@@ -11,8 +11,9 @@ from datetime import datetime
 
 from simulate.fakes import kube_objects
 from simulate.fakes.kube_api import Api
+from simulate.fakes.kube_resources import ENDPOINT_SLICES, EVENTS, EVENTS_V1, NODES, PDBS, PODS
 from simulate.fakes.kube_select import Obj
-from simulate.fakes.kube_store import ENDPOINT_SLICES, EVENTS, EVENTS_V1, NODES, PDBS, PODS, Store
+from simulate.fakes.kube_store import Store
 
 
 class Cluster:

@@ -1,4 +1,4 @@
-"""The fake Kubernetes API's resources and objects: the resource table, API paths, the store.
+"""The fake Kubernetes API's objects: the store, and the rules its writes follow.
 
 The store keeps objects as plain dicts and stamps every write with the next ``resourceVersion``; it keeps the recent
 changes, as the API server's watch cache does, for watches to replay (``kube_watch``); ``confine`` applies the update
@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from simulate.fakes.kube_resources import Resource
 from simulate.fakes.kube_select import (
     KubeError,
     Obj,
@@ -24,149 +25,6 @@ from simulate.fakes.kube_select import (
     parse_label_selector,
 )
 from spotdrain.clock import rfc3339
-
-
-@dataclass(frozen=True)
-class Resource:
-    group_version: str  # "v1" or "<group>/<version>"
-    plural: str
-    kind: str
-    namespaced: bool
-    has_status: bool  # a status subresource: writes to the object keep status, writes to /status keep spec
-    fields: frozenset[str]  # field labels the server accepts in a fieldSelector
-
-    @property
-    def group(self) -> str:
-        return self.group_version.rpartition("/")[0]
-
-    @property
-    def prefix(self) -> str:
-        return "/api/v1" if self.group_version == "v1" else f"/apis/{self.group_version}"
-
-    @property
-    def qualified(self) -> str:
-        """The name errors use: ``pods``, ``poddisruptionbudgets.policy``."""
-        return f"{self.plural}.{self.group}" if self.group else self.plural
-
-
-_META = frozenset({"metadata.name", "metadata.namespace"})
-_POD_FIELDS = {
-    "spec.nodeName",
-    "spec.restartPolicy",
-    "spec.schedulerName",
-    "spec.serviceAccountName",
-    "spec.hostNetwork",
-}
-_EVENT_FIELDS = {f"involvedObject.{f}" for f in ("kind", "namespace", "name", "uid", "apiVersion", "fieldPath")}
-NODES = Resource(
-    group_version="v1",
-    plural="nodes",
-    kind="Node",
-    namespaced=False,
-    has_status=True,
-    fields=frozenset({"metadata.name", "spec.unschedulable"}),
-)
-PODS = Resource(
-    group_version="v1",
-    plural="pods",
-    kind="Pod",
-    namespaced=True,
-    has_status=True,
-    fields=_META | _POD_FIELDS | {"status.phase", "status.podIP", "status.nominatedNodeName"},
-)
-EVENTS = Resource(
-    group_version="v1",
-    plural="events",
-    kind="Event",
-    namespaced=True,
-    has_status=False,
-    fields=_META | _EVENT_FIELDS | {"reason", "reportingComponent", "source", "type"},
-)
-EVENTS_V1 = Resource(
-    group_version="events.k8s.io/v1",
-    plural="events",
-    kind="Event",
-    namespaced=True,
-    has_status=False,
-    fields=_META | {f"regarding.{f}" for f in ("kind", "namespace", "name", "uid")} | {"reason", "type"},
-)
-PDBS = Resource(
-    group_version="policy/v1",
-    plural="poddisruptionbudgets",
-    kind="PodDisruptionBudget",
-    namespaced=True,
-    has_status=True,
-    fields=_META,
-)
-# The EndpointSlice controller writes these from a Service's pods: an endpoint per pod, ``conditions.ready`` from
-# the pod's Ready condition (k8s.io/api/discovery/v1 types.go; nil ready means ready).
-ENDPOINT_SLICES = Resource(
-    group_version="discovery.k8s.io/v1",
-    plural="endpointslices",
-    kind="EndpointSlice",
-    namespaced=True,
-    has_status=False,
-    fields=_META,
-)
-SECRETS = Resource(
-    group_version="v1", plural="secrets", kind="Secret", namespaced=True, has_status=False, fields=_META | {"type"}
-)
-# Cluster-scoped, no status (k8s.io/api/admissionregistration/v1): what the self-managed webhook reads and patches.
-MUTATING_WEBHOOKS = Resource(
-    group_version="admissionregistration.k8s.io/v1",
-    plural="mutatingwebhookconfigurations",
-    kind="MutatingWebhookConfiguration",
-    namespaced=False,
-    has_status=False,
-    fields=frozenset({"metadata.name"}),
-)
-RESOURCES = {
-    (r.group_version, r.plural): r
-    for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES, SECRETS, MUTATING_WEBHOOKS)
-}
-SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
-
-
-@dataclass(frozen=True)
-class Target:
-    resource: Resource
-    namespace: str | None  # None: cluster-scoped, or every namespace
-    name: str | None  # None: the collection
-    subresource: str | None = None
-
-    @property
-    def pattern(self) -> str:
-        """The path with names replaced by placeholders, for counting calls."""
-        path = self.resource.prefix
-        if self.namespace is not None:
-            path += "/namespaces/{namespace}"
-        path += f"/{self.resource.plural}"
-        if self.name is not None:
-            path += "/{name}"
-        return path + (f"/{self.subresource}" if self.subresource else "")
-
-
-def route(path: str) -> Target | None:
-    """Parse an API path (``/api/v1/namespaces/ns/pods/name/status``); None when no such resource exists."""
-    parts = [p for p in path.split("/") if p]
-    if parts[:2] == ["api", "v1"]:
-        group_version, rest = "v1", parts[2:]
-    elif len(parts) >= 3 and parts[0] == "apis":
-        group_version, rest = f"{parts[1]}/{parts[2]}", parts[3:]
-    else:
-        return None
-    namespace = None
-    if len(rest) >= 3 and rest[0] == "namespaces":
-        namespace, rest = rest[1], rest[2:]
-    if not 1 <= len(rest) <= 3 or (resource := RESOURCES.get((group_version, rest[0]))) is None:
-        return None
-    if namespace is None and resource.namespaced and len(rest) > 1:
-        return None  # a namespaced object needs its namespace; only its collection is listed across namespaces
-    if namespace is not None and not resource.namespaced:
-        return None
-    if len(rest) == 3 and rest[2] not in SUBRESOURCES.get(resource.plural, set()):
-        return None
-    return Target(resource, namespace, rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None)
 
 
 def not_found(resource: Resource, name: str) -> KubeError:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
+from simulate.fakes.kube_resources import Target
 from simulate.fakes.kube_select import (
     KubeError,
     Obj,
@@ -47,7 +48,7 @@ from simulate.fakes.kube_select import (
     parse_field_selector,
     parse_label_selector,
 )
-from simulate.fakes.kube_store import Change, Store, Target
+from simulate.fakes.kube_store import Change, Store
 
 DEFAULT_TIMEOUT_S = 1800.0  # kube-apiserver --min-request-timeout
 BOOKMARK_EVERY_S = 60.0  # cacher.go's bookmarkFrequency

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from simulate.fakes.kube import Call
-from simulate.fakes.kube_store import route
+from simulate.fakes.kube_resources import route
 from spotdrain.cli import COMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]

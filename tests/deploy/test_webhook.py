@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.kube_store import MUTATING_WEBHOOKS
+from simulate.fakes.kube_resources import MUTATING_WEBHOOKS
 from spotdrain.metrics import CollectorRegistry
 from tests.deploy.manifests import (
     DEPLOY,

@@ -14,7 +14,8 @@ from aiohttp import web
 
 from simulate.baselines import BY_NAME as WAYS
 from simulate.baselines import SEED_PRESTOP, SEED_PRESTOP_FIXED, SEED_READINESS, adapted, missing, shell
-from simulate.fakes.engine import EngineConfig, VllmMetrics
+from simulate.fakes.engine import EngineConfig
+from simulate.fakes.engine_metrics import VllmMetrics
 from simulate.probes import exec_probe, run_command
 from tests.conftest import serving_app
 

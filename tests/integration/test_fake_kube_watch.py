@@ -14,7 +14,7 @@ import pytest
 from kubernetes_asyncio import client, config, watch
 
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.kube_store import ENDPOINT_SLICES
+from simulate.fakes.kube_resources import ENDPOINT_SLICES
 
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/ml/endpointslices"
 SELECTOR = "kubernetes.io/service-name=vllm"

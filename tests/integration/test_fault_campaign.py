@@ -7,7 +7,8 @@ import concurrent.futures
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from simulate.campaign import KINDS, campaign, report
+from simulate.campaign import campaign
+from simulate.campaign_tally import KINDS, report
 from simulate.fakes.aws import MotoServer
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.kube_store import MUTATING_WEBHOOKS, SECRETS
+from simulate.fakes.kube_resources import MUTATING_WEBHOOKS, SECRETS
 from spotdrain.retry import ApiError
 from webhook.selfmanaged import ProvisionError, provision
 from webhook.settings import TlsSettings

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from simulate.fakes import kube_objects
 from simulate.fakes.kube_budget import disruption_budget, eviction_refusal
 from simulate.fakes.kube_patch import apply_patch, json_patch, merge_patch, strategic_merge
+from simulate.fakes.kube_resources import NODES, PODS, route
 from simulate.fakes.kube_select import KubeError, labels_match, parse_field_selector, parse_label_selector
-from simulate.fakes.kube_store import NODES, PODS, confine, route
+from simulate.fakes.kube_store import confine
 
 NOW = datetime(2026, 11, 29, 10, 22, tzinfo=UTC)
 LABELS = {"app": "web", "tier": "front", "version": "3", "example.com/team": "ml"}

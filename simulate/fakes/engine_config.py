@@ -1,0 +1,59 @@
+"""The fake vLLM's configuration, and the flags of ``python -m simulate.fakes.engine`` that set it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    engines: int = 1  # data-parallel engines, one series each
+    tokens_per_s: float = 50.0
+    max_running: int = 256  # per engine; beyond it requests wait
+    kv_blocks: int = 1000  # per engine; a running stream holds one block per 16 tokens
+    leak_disconnected: bool = False  # keep counting a stream whose client went away, as vLLM's gauges can
+    # The page shows the gauges as they were this long ago: Ray's metrics agent exports every
+    # metrics_report_interval_ms (10 s by default), TGI sets its batch size only once a prefill returns.
+    report_delay_s: float = 0.0
+    # A stream leaves the gauges this long before its last bytes and the end of its response, as a client still
+    # receiving buffered bytes does after vLLM has counted the request finished.
+    linger_s: float = 0.0
+    metrics_port: int | None = None  # also serve on this port, as Ray's metrics agent does beside Serve's
+    max_model_len: int = 32768
+    fault: str | None = None  # one of FAULTS: how each stream fails once it has sent ``fault_after`` tokens
+    fault_after: int = 0
+
+
+# drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
+# bytes, connection open; garbage: bytes that are not SSE, with the 200; unavailable: a 503 before any stream.
+FAULTS = ("drop", "abort", "error", "hang", "garbage", "unavailable")
+
+
+def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[argparse.Namespace, EngineConfig]:
+    parser = argparse.ArgumentParser(prog="python -m simulate.fakes.engine", description=description)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=EngineConfig.model)
+    parser.add_argument("--engines", type=int, default=1, help="data-parallel engines (one series each)")
+    parser.add_argument("--tokens-per-second", type=float, default=EngineConfig.tokens_per_s)
+    parser.add_argument("--max-running", type=int, default=EngineConfig.max_running)
+    parser.add_argument("--leak-disconnected", action="store_true", help="keep counting streams whose client left")
+    parser.add_argument("--report-delay", type=float, default=0.0, help="seconds the metrics page lags the engine")
+    parser.add_argument("--linger", type=float, default=0.0, help="seconds a stream stays open after its gauge drops")
+    parser.add_argument("--fault", choices=FAULTS, help="fail every stream this way (see FAULTS)")
+    parser.add_argument("--fault-after", type=int, default=0, help="tokens a stream sends before its fault")
+    args = parser.parse_args(argv)
+    config = EngineConfig(
+        model=args.model,
+        engines=args.engines,
+        tokens_per_s=args.tokens_per_second,
+        max_running=args.max_running,
+        leak_disconnected=args.leak_disconnected,
+        report_delay_s=args.report_delay,
+        linger_s=args.linger,
+        fault=args.fault,
+        fault_after=args.fault_after,
+    )
+    return args, config
