@@ -145,38 +145,8 @@ async def relay(
 ) -> End | Rejected:
     """One backend's answer, relayed to ``client`` until it ends; raises ClientGone when the client does.
 
-    ``mover`` may end the answer early (the backend's node is about to go): that ends as Broken("proactive").
+    ``mover`` may end the answer early (the backend's node is about to go); the caller tells that from a break.
     """
-    end = await _answer(
-        session,
-        backend,
-        path=path,
-        body=body,
-        headers=headers,
-        splicer=splicer,
-        client=client,
-        timeouts=timeouts,
-        mover=mover,
-        comment=comment,
-    )
-    if mover.moved and isinstance(end, Broken):
-        return Broken("proactive", "its node's termination time is near")
-    return end
-
-
-async def _answer(
-    session: aiohttp.ClientSession,
-    backend: Backend,
-    *,
-    path: str,
-    body: bytes,
-    headers: CIMultiDict[str],
-    splicer: Splicer,
-    client: ClientStream,
-    timeouts: TimeoutSettings,
-    mover: Mover,
-    comment: bytes,
-) -> End | Rejected:
     timeout = aiohttp.ClientTimeout(
         total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
     )

@@ -112,6 +112,8 @@ class _Run:
                     mover=mover,
                     comment=comment,
                 )
+            if mover.moved and isinstance(end, Broken):
+                end = Broken("proactive", "its node's termination time is near")
             if isinstance(end, Rejected):
                 return web.Response(status=end.status, body=end.body, headers=end.headers), "rejected"
             if isinstance(end, Finished) or self.splicer.finished:
