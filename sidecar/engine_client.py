@@ -1,4 +1,5 @@
-"""Looking at the engine over HTTP: its health, and one reading of its metrics page and open connections."""
+"""Looking at the engine: its health over HTTP, and one reading of its metrics page and of the connections that
+may still carry a request."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from dataclasses import replace
 import aiohttp
 import structlog
 
+from sidecar.connections import EngineConnections, Look, Patience, holding
 from sidecar.engines import MetricsError, read_engine
 from sidecar.metrics import SidecarMetrics
-from sidecar.netstat import established_connections
 from sidecar.settings import EngineSettings
+from sidecar.sockdiag import TcpConn
 from sidecar.state import Reading
 
 log = structlog.get_logger()
@@ -34,16 +36,23 @@ class EngineClient:
         settings: EngineSettings,
         metrics: SidecarMetrics,
         *,
+        answered_s: float | None = None,
         timeout_s: float = 2.0,
-        connections: Callable[[int], int | None] = established_connections,
+        connections: Callable[[int], list[TcpConn] | None] | None = None,
     ) -> None:
+        """``answered_s``: how long after its last bytes out a connection may still be inside a response (the
+        confirmation window; default the engine's)."""
         self.session = session
         self.settings = settings
         self.spec = settings.spec
         self.metrics = metrics
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.metrics_url = settings.url + "/metrics"
-        self.connections = connections
+        self.connections = connections or EngineConnections()
+        answered_s = self.spec.zero_confirm_s if answered_s is None else answered_s
+        self.patience = Patience(answered_ms=round(answered_s * 1000), tied_ms=round(self.spec.counting_gap_s * 1000))
+        self.holding: dict[str, int] = {}
+        self.looked: dict[int, Look] = {}  # the connections at the previous look, to tell what happened since
         self.last_error: str | None = None
         self.last_health_error: str | None = None
         self.connections_unknown = False  # no zero is believed while connections cannot be counted
@@ -68,9 +77,8 @@ class EngineClient:
     async def read(self, *, wants_connections: Callable[[Reading], bool] = lambda _: False) -> Reading:
         """One reading; a part that cannot be read is None, and the failure is logged once and counted.
 
-        Connections are counted only when ``wants_connections`` says a rule needs them: reading /proc/net/tcp walks
-        the kernel's whole TCP table (milliseconds, however few sockets there are), too dear for every poll of every
-        pod.
+        ``connections`` is how many connections to the engine's port may carry a request not yet answered (idle
+        keep-alive ones do not count); they are looked at only when ``wants_connections`` says a rule needs them.
         """
         loop = asyncio.get_running_loop()
         try:
@@ -92,11 +100,17 @@ class EngineClient:
         # The scrape's own connection is closed on the next turn of the loop (force_close): let it go first, so it
         # is never counted as a client.
         await asyncio.sleep(0)
-        count = self.connections(self.settings.port)
-        if count is None and not self.connections_unknown:
+        conns = self.connections(self.settings.port)
+        if conns is None and not self.connections_unknown:
             log.warning("engine.connections_unknown", port=self.settings.port, tables="/proc/net/tcp, /proc/net/tcp6")
-        self.connections_unknown = count is None
-        return count
+        self.connections_unknown = conns is None
+        if conns is None:
+            return None
+        reasons, self.looked = holding(conns, self.patience, self.looked)
+        if reasons != self.holding:
+            log.info("engine.connections_holding", port=self.settings.port, open=len(conns), holding=reasons)
+            self.holding = reasons
+        return sum(reasons.values())
 
     async def _page(self) -> str:
         try:

@@ -90,7 +90,7 @@ async def run(settings: SidecarSettings, *, ready_flag: asyncio.Event | None = N
     on_signals(lambda sig: lifecycle.terminated.set(), signal.SIGTERM, signal.SIGINT)
 
     async with engine_session() as session:
-        engine = EngineClient(session, settings.engine, metrics)
+        engine = EngineClient(session, settings.engine, metrics, answered_s=settings.drain.zero_confirm_s)
 
         async def ready() -> tuple[bool, str]:
             if lifecycle.phase is not Phase.SERVING:
