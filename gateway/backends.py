@@ -131,17 +131,22 @@ class Pool:
         self.metrics.backends_ready.set(sum(b.ready for b in self.backends))
 
 
+CLOSE = {"Connection": "close"}
+
+
 async def health_checker(session: aiohttp.ClientSession, pool: Pool, *, interval_s: float, timeout_s: float) -> None:
     """Asks every backend's ready URL each interval; a 200 makes it ready, anything else not. Runs until cancelled.
 
     The engine's ``/health`` stays 200 while its pod drains; a sidecar's ``/ready`` turns 503 at the drain's start,
-    which is why ``--ready-url`` exists: a draining pod then gets no new request, as a Service would do.
+    which is why ``--ready-url`` exists: a draining pod then gets no new request, as a Service would do. Each check
+    closes its connection: one kept open to the engine's port would look, to the pod's sidecar, like a client still
+    there.
     """
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def check(backend: Backend) -> None:
         try:
-            async with session.get(backend.ready_url, timeout=timeout) as response:
+            async with session.get(backend.ready_url, timeout=timeout, headers=CLOSE) as response:
                 pool.set_ready(backend, response.status == 200)
         except (aiohttp.ClientError, TimeoutError, OSError):
             pool.set_ready(backend, False)
