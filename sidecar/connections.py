@@ -11,8 +11,8 @@ connection holds, as a client may be waiting on any of them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -44,13 +44,13 @@ class Look:
 
 def _both_ways(before: TcpConn, now: TcpConn) -> tuple[bool, bool] | None:
     """Whether bytes came in, and went out, since ``before``; None where the kernel gave no byte counts."""
-    counts = (before.bytes_received, now.bytes_received, before.bytes_acked, now.bytes_acked)
-    if any(count is None for count in counts) or before.send_queue or before.recv_queue:
+    if before.send_queue or before.recv_queue:
         return None
-    received_before, received_now, acked_before, acked_now = counts
-    assert received_before is not None and received_now is not None  # for mypy: checked just above
-    assert acked_before is not None and acked_now is not None
-    return received_now > received_before, acked_now > acked_before
+    if before.bytes_received is None or now.bytes_received is None:
+        return None
+    if before.bytes_acked is None or now.bytes_acked is None:
+        return None
+    return now.bytes_received > before.bytes_received, now.bytes_acked > before.bytes_acked
 
 
 def _tie(conn: TcpConn, patience: Patience, before: Look | None) -> str | None:

@@ -77,7 +77,9 @@ def custom_engine(metrics: str, *, tokens: str | None = None, health_path: str =
     if not names:
         raise ValueError("the custom engine needs at least one in-flight metric name")
     # Nothing is known of the exporter: as long as Ray's metrics agent, which exports every 10 s by default.
-    return EngineSpec("custom", required=names, tokens=tokens, health_path=health_path, zero_confirm_s=10.0, counting_gap_s=10.0)
+    return EngineSpec(
+        "custom", required=names, tokens=tokens, health_path=health_path, zero_confirm_s=10.0, counting_gap_s=10.0
+    )
 
 
 @dataclass(frozen=True)

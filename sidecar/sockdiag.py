@@ -132,7 +132,9 @@ def parse_dump(data: bytes, *, seq: int) -> tuple[list[TcpConn], bool]:
     return sockets, False
 
 
-def dump(port: int, *, timeout_s: float, families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6)) -> list[TcpConn]:
+def dump(
+    port: int, *, timeout_s: float, families: tuple[int, ...] = (socket.AF_INET, socket.AF_INET6)
+) -> list[TcpConn]:
     """Every ESTABLISHED TCP connection whose local port is ``port`` in this network namespace.
 
     Raises OSError where the kernel offers no sock_diag (another OS, a sandbox such as gVisor, a seccomp profile

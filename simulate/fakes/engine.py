@@ -20,7 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from simulate.fakes.engine_config import EngineConfig as EngineConfig  # where the tests and benchmarks take it
 from simulate.fakes.engine_config import parse_flags
 from simulate.fakes.engine_metrics import VllmMetrics
-from simulate.fakes.openai_format import DONE, Job, Stream, error_body, read_job, sse
+from simulate.fakes.engine_shutdown import ERROR_EVENT, Shutdown, client_gone, refused
+from simulate.fakes.openai_format import DONE, Job, Stream, error_body, read_job
 from simulate.fakes.tokens import VOCAB, Context, text_of
 
 log = structlog.get_logger()
@@ -40,6 +41,7 @@ class FakeEngine:
         self._ids = itertools.count(1)
         self.completed = 0
         self.cut = 0  # streams still open when the engine stopped
+        self.shutdown = Shutdown(ending=config.sigterm_ending, timeout_s=config.shutdown_timeout_s)
 
     def labels(self, engine: int) -> dict[str, str]:
         return {"model_name": self.config.model, "engine": str(engine)}
@@ -72,6 +74,8 @@ class FakeEngine:
             job = read_job(await request.json(), chat=chat, max_model_len=self.config.max_model_len)
         except ValueError as error:  # InvalidRequest, or a body that is not JSON
             return web.json_response(error_body(str(error) or "invalid request body"), status=400)
+        if self.shutdown.draining:
+            return refused()
         if self.config.fault == "unavailable":
             return web.json_response(
                 error_body("engine unavailable", kind="ServiceUnavailableError", code=503), status=503
@@ -127,12 +131,14 @@ class FakeEngine:
     ) -> None:
         labels = self.labels(engine)
         started = time.monotonic()
+        # Not published until the stream's first token: vLLM's gauges are set after each engine step, so they count
+        # a request only once its first step (the prefill) is done (vLLM 0.32.0 CPU build, measured: 28 ms-0.99 s
+        # after it was sent, about its first token).
         self.waiting[engine] += 1
-        self._publish(engine)
+        self.shutdown.opened()
         async with self.slots[engine]:
             self.waiting[engine] -= 1
             self.running[engine] += 1
-            self._publish(engine)
             generated = 0
             leaked = released = False
             try:
@@ -141,7 +147,14 @@ class FakeEngine:
                     await response.write(first)
                 async with aclosing(self._tokens(job, engine=engine)) as tokens:
                     async for token, finish, stop in tokens:
-                        if self._faults_at(generated) and await self._fault(request, response, job, out):
+                        if self.shutdown.ending is not None:
+                            self.cut += 1
+                            await self._fault(self.shutdown.ending, request, response, job, out, generated=generated)
+                            return
+                        fault = self.config.fault if self._faults_at(generated) else None
+                        if fault is not None and await self._fault(
+                            fault, request, response, job, out, generated=generated
+                        ):
                             return
                         ids = [] if token is None else [token]
                         first_ids = job.prompt_ids if generated == 0 else None
@@ -170,14 +183,16 @@ class FakeEngine:
                 if not leaked and not released:
                     self.running[engine] -= 1
                 self._publish(engine)
+                self.shutdown.closed()
 
     def _faults_at(self, generated: int) -> bool:
         return self.config.fault is not None and generated == self.config.fault_after
 
-    async def _fault(self, request: web.Request, response: web.StreamResponse, job: Job, out: Stream) -> bool:
-        """Fail this stream as configured, after ``fault_after`` tokens; True when the stream is over."""
-        fault = self.config.fault
-        generated = self.config.fault_after
+    async def _fault(
+        self, fault: str, request: web.Request, response: web.StreamResponse, job: Job, out: Stream, *, generated: int
+    ) -> bool:
+        """End this stream with ``fault`` after ``generated`` tokens; True when the stream is over. ``abort``,
+        ``error`` and ``hang`` are also how vLLM ends its open streams on SIGTERM (engine_shutdown)."""
         log.info("engine.fault", request=out.id, fault=fault, generated=generated)
         if fault == "drop":  # the TCP connection goes, as when the node or the process vanishes
             if request.transport is not None:
@@ -187,12 +202,13 @@ class FakeEngine:
             await response.write(out.token("", [], finish="abort", stop=None, prompt_ids=None))
             if job.include_usage:
                 await response.write(out.usage(len(job.prompt_ids), generated))
-        elif fault == "error":  # vLLM's streaming error event, then [DONE]
-            await response.write(sse(error_body("engine failed", kind="InternalServerError", code=500)))
+        elif fault == "error":  # vLLM's streaming error event when its engine core died, then [DONE]
+            await response.write(ERROR_EVENT)
         elif fault == "garbage":
             await response.write(b"<html>502 Bad Gateway</html>\r\n\x00\xff\n\n")
-        elif fault == "hang":
-            await asyncio.Event().wait()
+        elif fault == "hang":  # no more bytes, the connection open, until the client goes away
+            await client_gone(request)
+            return True
         else:
             return False
         if fault != "garbage":
@@ -230,21 +246,21 @@ class FakeEngine:
 
 
 async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyncio.Event) -> FakeEngine:
-    """Serve until ``stop`` is set, then close at once, cutting open streams as an engine on SIGTERM does.
-
-    That is vLLM's default: on SIGTERM its API server rejects new requests and aborts every one in flight, unless
-    ``--shutdown-timeout`` is set (vllm-project/vllm#36666: "either immediate termination by default
-    (--shutdown-timeout=0) or wait for in-flight requests to finish"). No other mode is needed here: spotdrain's
-    preStop holds the SIGTERM until no stream is left, and the ways it is compared with run vLLM as it comes."""
+    """Serve until ``stop`` is set (SIGTERM), then end the open streams as vLLM does (``engine_shutdown``: with
+    ``sigterm_ending``, or after ``shutdown_timeout_s``), and return once none is left."""
     engine = FakeEngine(config)
     runner = web.AppRunner(engine.app(), access_log=None, handle_signals=False, shutdown_timeout=0.1)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        sites = [web.TCPSite(runner, host, port, reuse_address=True)]
         if config.metrics_port is not None:
-            await web.TCPSite(runner, host, config.metrics_port, reuse_address=True).start()
+            sites.append(web.TCPSite(runner, host, config.metrics_port, reuse_address=True))
+        for site in sites:
+            await site.start()
         log.info("engine.listening", host=host, port=port, model=config.model)
         await stop.wait()
+        log.info("engine.stopping", streams=engine.shutdown.streams, ending=config.sigterm_ending)
+        await engine.shutdown.run(sites)
     finally:
         await asyncio.shield(runner.cleanup())
     log.info("engine.stopped", completed=engine.completed, cut=engine.cut)

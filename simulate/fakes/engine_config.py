@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from simulate.fakes.engine_shutdown import ENDINGS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -24,6 +26,10 @@ class EngineConfig:
     max_model_len: int = 32768
     fault: str | None = None  # one of FAULTS: how each stream fails once it has sent ``fault_after`` tokens
     fault_after: int = 0
+    # How vLLM ends its open streams on SIGTERM (engine_shutdown.ENDINGS: abort, error, hang), and its
+    # --shutdown-timeout: seconds it goes on serving them first (0, its default: none).
+    sigterm_ending: str = "abort"
+    shutdown_timeout_s: float = 0.0
 
 
 # drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
@@ -44,6 +50,8 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
     parser.add_argument("--linger", type=float, default=0.0, help="seconds a stream stays open after its gauge drops")
     parser.add_argument("--fault", choices=FAULTS, help="fail every stream this way (see FAULTS)")
     parser.add_argument("--fault-after", type=int, default=0, help="tokens a stream sends before its fault")
+    parser.add_argument("--sigterm-ending", choices=ENDINGS, default="abort", help="how SIGTERM ends open streams")
+    parser.add_argument("--shutdown-timeout", type=float, default=0.0, help="vLLM's --shutdown-timeout, seconds")
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -55,5 +63,7 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
         linger_s=args.linger,
         fault=args.fault,
         fault_after=args.fault_after,
+        sigterm_ending=args.sigterm_ending,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     return args, config

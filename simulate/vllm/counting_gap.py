@@ -49,7 +49,9 @@ async def poll(session: aiohttp.ClientSession, url: str, gauges: Gauges, stop: a
         gauges.fetch_s.append(now - sent)
 
 
-async def one(session: aiohttp.ClientSession, url: str, *, model: str, max_tokens: int, prompt: str) -> dict[str, float]:
+async def one(
+    session: aiohttp.ClientSession, url: str, *, model: str, max_tokens: int, prompt: str
+) -> dict[str, float]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     sent = time.monotonic()
     first = done = None
@@ -93,7 +95,7 @@ async def measure(url: str, *, model: str, requests: int) -> dict[str, object]:
     return _summary(rows, gauges)
 
 
-def _summary(rows: list[dict[str, object]], gauges: Gauges) -> dict[str, object]:
+def _summary(rows: list[dict[str, float | None]], gauges: Gauges) -> dict[str, object]:
     rises = [float(r["rise_s"]) for r in rows if isinstance(r["rise_s"], float)]
     falls = [float(r["fall_s"]) for r in rows if isinstance(r["fall_s"], float)]
     return {

@@ -74,7 +74,8 @@ def test_without_tcp_info_every_connection_holds_as_before() -> None:
 
 @given(known, patiences)
 def test_data_in_after_data_out_always_holds(conn: TcpConn, patience: Patience) -> None:
-    assert conn.last_recv_ms is not None and conn.last_sent_ms is not None
+    assert conn.last_recv_ms is not None
+    assert conn.last_sent_ms is not None
     if conn.last_recv_ms < conn.last_sent_ms:
         assert why_held(conn, patience) is not None
 
@@ -87,7 +88,8 @@ def test_queued_bytes_always_hold(conn: TcpConn, patience: Patience, recv: int, 
 
 @given(known, patiences)
 def test_answered_and_quiet_past_both_windows_never_holds(conn: TcpConn, patience: Patience) -> None:
-    assert conn.last_recv_ms is not None and conn.last_sent_ms is not None
+    assert conn.last_recv_ms is not None
+    assert conn.last_sent_ms is not None
     answered = conn.last_recv_ms >= conn.last_sent_ms and not (conn.bytes_received and conn.bytes_acked == 0)
     if answered and conn.last_sent_ms >= max(patience.answered_ms, patience.tied_ms):
         assert why_held(conn, patience) is None
@@ -158,6 +160,7 @@ def test_a_look_at_another_socket_on_the_same_port_tells_nothing() -> None:
 def test_a_request_after_the_last_response_holds_whatever_an_earlier_look_found(
     conn: TcpConn, earlier: TcpConn, patience: Patience, reason: str | None
 ) -> None:
-    assert conn.last_recv_ms is not None and conn.last_sent_ms is not None
+    assert conn.last_recv_ms is not None
+    assert conn.last_sent_ms is not None
     if conn.last_recv_ms < conn.last_sent_ms:
         assert why_held(conn, patience, Look(replace(earlier, cookie=conn.cookie), reason)) is not None

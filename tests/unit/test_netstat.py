@@ -33,7 +33,8 @@ def test_tables_are_joined_and_missing_ones_skipped(tmp_path: Path) -> None:
     (tmp_path / "tcp").write_text(TCP)
     (tmp_path / "tcp6").write_text(TCP6)
     found = established_connections(8000, (tmp_path / "tcp", tmp_path / "tcp6", tmp_path / "absent"))
-    assert found is not None and [c.remote_port for c in found] == [0xD2F0, 50000]
+    assert found is not None
+    assert [c.remote_port for c in found] == [0xD2F0, 50000]
 
 
 def test_no_readable_table_is_unknown_not_zero(tmp_path: Path) -> None:

@@ -1,0 +1,162 @@
+"""The fake vLLM from SIGTERM on, as vLLM 0.32.0 behaves (simulate/fakes/engine_shutdown.py has what was measured)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+
+from simulate.fakes.engine import EngineConfig, FakeEngine, serve_engine
+from simulate.fakes.engine_shutdown import ENGINE_DEAD
+from simulate.fakes.processes import free_port
+from tests.conftest import scrape, until
+
+
+@dataclass
+class Engine:
+    port: int
+    stop: asyncio.Event
+    task: asyncio.Task[FakeEngine]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@asynccontextmanager
+async def engine(config: EngineConfig) -> AsyncIterator[Engine]:
+    port, stop = free_port(), asyncio.Event()
+    task = asyncio.create_task(serve_engine(config, host="127.0.0.1", port=port, stop=stop))
+    running = Engine(port, stop, task)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):
+            try:
+                async with session.get(f"{running.url}/health"):
+                    break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.01)
+    try:
+        yield running
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@dataclass
+class Frames:
+    lines: list[str] = field(default_factory=list)
+    ended: bool = False  # the server ended the response (end of its chunked body)
+
+    def data(self) -> list[str]:
+        return [line.removeprefix("data: ") for line in self.lines if line.startswith("data: ")]
+
+
+async def read(session: aiohttp.ClientSession, url: str, *, chat: bool, max_tokens: int, frames: Frames) -> None:
+    body: dict[str, object] = {"max_tokens": max_tokens, "stream": True}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with session.post(url + path, json=body) as response:
+        async for raw in response.content:
+            if raw.strip():
+                frames.lines.append(raw.decode().strip())
+    frames.ended = True
+
+
+async def open_streams(session: aiohttp.ClientSession, url: str, *, max_tokens: int) -> list[Frames]:
+    """A completion and a chat streaming, once both have sent tokens."""
+    frames = [Frames(), Frames()]
+    for chat, seen in zip((False, True), frames, strict=True):
+        asyncio.create_task(read(session, url, chat=chat, max_tokens=max_tokens, frames=seen))
+    await until(lambda: all(len(f.data()) >= 3 for f in frames), timeout_s=5)
+    return frames
+
+
+async def test_abort_ends_every_open_stream_with_an_abort_chunk_then_done_and_the_port_closes() -> None:
+    async with engine(EngineConfig(tokens_per_s=50, sigterm_ending="abort")) as fake, aiohttp.ClientSession() as s:
+        frames = await open_streams(s, fake.url, max_tokens=1000)
+        fake.stop.set()
+        await until(lambda: all(f.ended for f in frames), timeout_s=2)
+        for seen in frames:
+            *_, last, done = seen.data()
+            assert done == "[DONE]"
+            assert json.loads(last)["choices"][0]["finish_reason"] == "abort"
+        stopped = await asyncio.wait_for(fake.task, 2)
+        assert stopped.cut == 2
+        with pytest.raises(aiohttp.ClientConnectorError):
+            await s.get(f"{fake.url}/health")
+
+
+async def test_error_ends_every_open_stream_with_vllms_error_event_then_done() -> None:
+    async with engine(EngineConfig(tokens_per_s=50, sigterm_ending="error")) as fake, aiohttp.ClientSession() as s:
+        frames = await open_streams(s, fake.url, max_tokens=1000)
+        fake.stop.set()
+        await until(lambda: all(f.ended for f in frames), timeout_s=2)
+        for seen in frames:
+            assert seen.lines[-2:] == [
+                'data: {"error": {"message": "' + ENGINE_DEAD + '", "type": "InternalServerError", "param": null, '
+                '"code": 500}}',
+                "data: [DONE]",
+            ]
+
+
+async def test_hang_sends_nothing_more_and_the_engine_exits_only_once_the_client_has_gone() -> None:
+    async with engine(EngineConfig(tokens_per_s=50, sigterm_ending="hang")) as fake:
+        async with aiohttp.ClientSession() as session:
+            frames = await open_streams(session, fake.url, max_tokens=1000)
+            fake.stop.set()
+            await asyncio.sleep(0.1)
+            counts = [len(f.lines) for f in frames]
+            await asyncio.sleep(1.0)
+            assert [len(f.lines) for f in frames] == counts, "not a byte more"
+            assert not any(f.ended or "[DONE]" in f.lines for f in frames)
+            assert not fake.task.done(), "the engine waits for its hung streams' clients"
+        # The session is closed: the clients have gone.
+        stopped = await asyncio.wait_for(fake.task, 2)
+        assert stopped.cut == 2
+
+
+async def test_under_a_shutdown_timeout_health_stays_up_new_requests_get_500_and_what_fits_finishes() -> None:
+    config = EngineConfig(tokens_per_s=50, shutdown_timeout_s=1.0)
+    async with engine(config) as fake, aiohttp.ClientSession() as s:
+        short, long = Frames(), Frames()
+        asyncio.create_task(read(s, fake.url, chat=False, max_tokens=30, frames=short))  # 0.6 s
+        asyncio.create_task(read(s, fake.url, chat=True, max_tokens=1000, frames=long))
+        await until(lambda: len(short.data()) >= 2 and len(long.data()) >= 2)
+        loop = asyncio.get_running_loop()
+        fake.stop.set()
+        stopped_at = loop.time()
+        async with s.get(f"{fake.url}/health") as health:
+            assert health.status == 200
+        async with s.post(f"{fake.url}/v1/completions", json={"prompt": "x", "max_tokens": 5}) as refused:
+            assert refused.status == 500
+            assert await refused.text() == (
+                '{"error":{"message":"cannot schedule new futures after shutdown","type":"InternalServerError",'
+                '"param":null,"code":500}}'
+            )
+        await until(lambda: short.ended, timeout_s=2)
+        assert short.data()[-1] == "[DONE]"
+        assert json.loads(short.data()[-2])["choices"][0]["finish_reason"] == "length"
+        await asyncio.sleep(1.2)
+        count = len(long.lines)
+        await asyncio.sleep(0.5)
+        assert len(long.lines) == count, "past the timeout, the long stream hangs"
+        assert not long.ended
+        assert loop.time() - stopped_at > 1.0
+
+
+async def test_the_gauges_count_a_request_only_from_its_first_token() -> None:
+    async with engine(EngineConfig(tokens_per_s=4)) as fake, aiohttp.ClientSession() as s:
+        frames = Frames()
+        asyncio.create_task(read(s, fake.url, chat=False, max_tokens=3, frames=frames))
+        await asyncio.sleep(0.1)  # sent, and far from its first token (at 0.25 s)
+        assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_running") == 0
+        assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_waiting") == 0
+        await until(lambda: len(frames.data()) >= 1)
+        assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_running") == 1
+        await until(lambda: frames.ended)
+        assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_running") == 0
