@@ -18,10 +18,28 @@ from tests.conftest import scrape, until
 
 
 @dataclass
+class Frames:
+    lines: list[str] = field(default_factory=list)
+    ended: bool = False  # the server ended the response (end of its chunked body)
+
+    def data(self) -> list[str]:
+        return [line.removeprefix("data: ") for line in self.lines if line.startswith("data: ")]
+
+
+@dataclass
 class Engine:
     port: int
     stop: asyncio.Event
     task: asyncio.Task[FakeEngine]
+    readers: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def read(self, session: aiohttp.ClientSession, *, chat: bool, max_tokens: int) -> Frames:
+        """Start reading one stream in the background; its frames arrive in what is returned."""
+        frames = Frames()
+        self.readers.append(
+            asyncio.create_task(read(session, self.url, chat=chat, max_tokens=max_tokens, frames=frames))
+        )
+        return frames
 
     @property
     def url(self) -> str:
@@ -43,17 +61,11 @@ async def engine(config: EngineConfig) -> AsyncIterator[Engine]:
     try:
         yield running
     finally:
+        for reader in running.readers:
+            reader.cancel()
+        await asyncio.gather(*running.readers, return_exceptions=True)
         stop.set()
         await asyncio.wait_for(task, 10)
-
-
-@dataclass
-class Frames:
-    lines: list[str] = field(default_factory=list)
-    ended: bool = False  # the server ended the response (end of its chunked body)
-
-    def data(self) -> list[str]:
-        return [line.removeprefix("data: ") for line in self.lines if line.startswith("data: ")]
 
 
 async def read(session: aiohttp.ClientSession, url: str, *, chat: bool, max_tokens: int, frames: Frames) -> None:
@@ -67,18 +79,16 @@ async def read(session: aiohttp.ClientSession, url: str, *, chat: bool, max_toke
     frames.ended = True
 
 
-async def open_streams(session: aiohttp.ClientSession, url: str, *, max_tokens: int) -> list[Frames]:
+async def open_streams(session: aiohttp.ClientSession, fake: Engine, *, max_tokens: int) -> list[Frames]:
     """A completion and a chat streaming, once both have sent tokens."""
-    frames = [Frames(), Frames()]
-    for chat, seen in zip((False, True), frames, strict=True):
-        asyncio.create_task(read(session, url, chat=chat, max_tokens=max_tokens, frames=seen))
+    frames = [fake.read(session, chat=chat, max_tokens=max_tokens) for chat in (False, True)]
     await until(lambda: all(len(f.data()) >= 3 for f in frames), timeout_s=5)
     return frames
 
 
 async def test_abort_ends_every_open_stream_with_an_abort_chunk_then_done_and_the_port_closes() -> None:
     async with engine(EngineConfig(tokens_per_s=50, sigterm_ending="abort")) as fake, aiohttp.ClientSession() as s:
-        frames = await open_streams(s, fake.url, max_tokens=1000)
+        frames = await open_streams(s, fake, max_tokens=1000)
         fake.stop.set()
         await until(lambda: all(f.ended for f in frames), timeout_s=2)
         for seen in frames:
@@ -93,7 +103,7 @@ async def test_abort_ends_every_open_stream_with_an_abort_chunk_then_done_and_th
 
 async def test_error_ends_every_open_stream_with_vllms_error_event_then_done() -> None:
     async with engine(EngineConfig(tokens_per_s=50, sigterm_ending="error")) as fake, aiohttp.ClientSession() as s:
-        frames = await open_streams(s, fake.url, max_tokens=1000)
+        frames = await open_streams(s, fake, max_tokens=1000)
         fake.stop.set()
         await until(lambda: all(f.ended for f in frames), timeout_s=2)
         for seen in frames:
@@ -107,7 +117,7 @@ async def test_error_ends_every_open_stream_with_vllms_error_event_then_done() -
 async def test_hang_sends_nothing_more_and_the_engine_exits_only_once_the_client_has_gone() -> None:
     async with engine(EngineConfig(tokens_per_s=50, sigterm_ending="hang")) as fake:
         async with aiohttp.ClientSession() as session:
-            frames = await open_streams(session, fake.url, max_tokens=1000)
+            frames = await open_streams(session, fake, max_tokens=1000)
             fake.stop.set()
             await asyncio.sleep(0.1)
             counts = [len(f.lines) for f in frames]
@@ -123,9 +133,8 @@ async def test_hang_sends_nothing_more_and_the_engine_exits_only_once_the_client
 async def test_under_a_shutdown_timeout_health_stays_up_new_requests_get_500_and_what_fits_finishes() -> None:
     config = EngineConfig(tokens_per_s=50, shutdown_timeout_s=1.0)
     async with engine(config) as fake, aiohttp.ClientSession() as s:
-        short, long = Frames(), Frames()
-        asyncio.create_task(read(s, fake.url, chat=False, max_tokens=30, frames=short))  # 0.6 s
-        asyncio.create_task(read(s, fake.url, chat=True, max_tokens=1000, frames=long))
+        short = fake.read(s, chat=False, max_tokens=30)  # 0.6 s
+        long = fake.read(s, chat=True, max_tokens=1000)
         await until(lambda: len(short.data()) >= 2 and len(long.data()) >= 2)
         loop = asyncio.get_running_loop()
         fake.stop.set()
@@ -151,8 +160,7 @@ async def test_under_a_shutdown_timeout_health_stays_up_new_requests_get_500_and
 
 async def test_the_gauges_count_a_request_only_from_its_first_token() -> None:
     async with engine(EngineConfig(tokens_per_s=4)) as fake, aiohttp.ClientSession() as s:
-        frames = Frames()
-        asyncio.create_task(read(s, fake.url, chat=False, max_tokens=3, frames=frames))
+        frames = fake.read(s, chat=False, max_tokens=3)
         await asyncio.sleep(0.1)  # sent, and far from its first token (at 0.25 s)
         assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_running") == 0
         assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_waiting") == 0
