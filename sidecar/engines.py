@@ -42,11 +42,12 @@ ENGINES: dict[str, EngineSpec] = {
         required=("vllm:num_requests_running",),
         optional=("vllm:num_requests_waiting",),
         tokens="vllm:generation_tokens_total",
-        # vLLM 0.32.0 CPU build, measured (python -m simulate.vllm.counting_gap, 120 requests one at a time, the page
+        # vLLM 0.32.0 CPU build, measured (python -m bench.vllm_counting_gap, 120 requests one at a time, the page
         # polled every 6 ms): the gauges read 0 again 2-21 ms after [DONE], and count a new request only once its
-        # first engine step is done, 28 ms-0.99 s after it was sent (about its first token; some short requests
-        # never show). A request in that gap is held by its connection (data in, nothing out yet), so the window
-        # only outlasts the page's lag behind [DONE], with room: released within a poll interval + 0.3 s.
+        # first engine step is done: 28 ms-0.99 s after it was sent, 4 ms-0.27 s after its first chunk went out
+        # (some short requests never show). Until its first chunk a request holds by its connection (data in,
+        # nothing out); after it, for the window (a connection that sent less than it ago holds). So 0.3 s covers
+        # both lags, and a pod is released within a poll interval + 0.3 s of its last [DONE].
         zero_confirm_s=0.3,
         counting_gap_s=2.0,
     ),

@@ -177,6 +177,9 @@ class Cluster:
                 report["cut"] = cut
 
         args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s))
+        ending = self.scenario.sigterm_ending(self.pod_names.index(name)) if name in self.pod_names else None
+        if ending is not None:
+            args += ["--sigterm-ending", ending]
         engine = await self.procs.start(f"{name}-engine", args, listener=listener)
         heard, exited = asyncio.ensure_future(listening.wait()), asyncio.ensure_future(engine.exited())
         try:

@@ -9,8 +9,9 @@ import enum
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
-from simulate.summary import Summary
+from simulate.summary import PodSummary, Summary
 
 
 class Profile(enum.Enum):
@@ -41,6 +42,12 @@ class Scenario:
     always_allow: bool = True  # the budget says unhealthyPodEvictionPolicy: AlwaysAllow, as deploy/ ships it
     pods: int | None = None  # the scenario's own number of pods, whatever --pods says
     lose_node: bool = False  # no notice: every process on the node is killed at once
+    # How each pod's engine ends the streams still open at its SIGTERM, pod by pod in turn (the fake engine's
+    # --sigterm-ending: vLLM's abort, error or hang); empty: the fake's default.
+    sigterm_endings: tuple[str, ...] = ()
+
+    def sigterm_ending(self, pod: int) -> str | None:
+        return self.sigterm_endings[pod % len(self.sigterm_endings)] if self.sigterm_endings else None
 
 
 def stream_seconds(
@@ -169,6 +176,33 @@ def _node_lost(s: Summary) -> list[Check]:
     ]
 
 
+ENDINGS = ("abort", "error", "hang")
+
+
+def _ending_check(pod: PodSummary, ending: str) -> Check:
+    name = f"{pod.name} ({ending}): its open streams cut and counted"
+    if pod.cut == 0:
+        return _check(name, False, "no stream was open at the engine's SIGTERM")
+    if ending == "hang":
+        # The engine waits for clients that wait for it: only the kill at the end of the grace period ends both.
+        killed = pod.cut_by_engine is None and pod.gone_at is not None
+        detail = f"{pod.cut} cut; the engine never exited on its own and was killed" if killed else "not killed"
+        return _check(name, killed, detail)
+    took = None if pod.exited_at is None or pod.drained_at is None else pod.exited_at - pod.drained_at
+    on_its_own = pod.cut_by_engine is not None and took is not None and took < 2.0
+    detail = f"{pod.cut} cut, the engine counted {pod.cut_by_engine}"
+    detail += f" and exited {took:.1f} s after the drain ended" if took is not None else " and never exited"
+    return _check(name, on_its_own, detail)
+
+
+def _sigterm_endings(s: Summary, *, endings: tuple[str, ...]) -> list[Check]:
+    return [
+        *(_ending_check(pod, endings[index % len(endings)]) for index, pod in enumerate(s.pods)),
+        _check("short streams still complete", s.completed > 0, f"{s.completed} completed intact"),
+        _all_gone(s),
+    ]
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -233,6 +267,18 @@ SCENARIOS: dict[str, Scenario] = {
             1,
             _sqs,
             via_sqs=True,
+        ),
+        Scenario(
+            "sigterm-endings",
+            "Spot interruption; streams longer than the deadline, and each pod's engine ends those left at its "
+            "SIGTERM one of vLLM 0.32.0's ways: an abort chunk, an error event (each then [DONE]), or a hang",
+            "every ending is seen as a cut stream and counted by the sidecar; an aborting or failing engine exits "
+            "at once, a hung one is killed at the end of its grace period",
+            Profile.MIXED,
+            1,
+            partial(_sigterm_endings, endings=ENDINGS),
+            pods=len(ENDINGS),
+            sigterm_endings=ENDINGS,
         ),
     )
 }

@@ -17,7 +17,16 @@ from spotdrain.settings import add_flag, add_switch, positive_int, require, seco
 SPOT_NOTICE_S = 120.0
 ENGINE_EXIT_MARGIN_S = 10.0  # sidecar.draining.ENGINE_EXIT_MARGIN; not imported, this module must stay light
 MIN_WINDOW_S = 2.0
-SCENARIO_NAMES = ("short-streams", "long-streams", "shipped-budget", "pdb-blocks", "agent-restart", "node-lost", "sqs")
+SCENARIO_NAMES = (
+    "short-streams",
+    "long-streams",
+    "shipped-budget",
+    "pdb-blocks",
+    "agent-restart",
+    "node-lost",
+    "sqs",
+    "sigterm-endings",
+)
 # The scenarios another way of handling the notice can play too: a notice, and nothing that is spotdrain's own.
 COMPARABLE = ("short-streams", "long-streams", "shipped-budget", "pdb-blocks")
 

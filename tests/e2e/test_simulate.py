@@ -53,6 +53,24 @@ async def test_long_streams_are_cut_and_the_sidecars_report_as_many_as_the_clien
     assert s.completed > 0
 
 
+async def test_each_of_vllms_sigterm_endings_is_a_cut_stream_counted_and_a_hung_engine_is_killed(
+    tmp_path: Path,
+) -> None:
+    result = await play("sigterm-endings", tmp_path)
+    s = result.summary
+    assert result.passed, [c for c in result.checks if not c.passed]
+    aborting, failing, hung = s.pods
+    assert aborting.cut > 0
+    assert failing.cut > 0
+    assert hung.cut > 0
+    assert s.cut == s.cut_reported
+    assert aborting.cut_by_engine == aborting.cut
+    assert failing.cut_by_engine == failing.cut
+    assert hung.cut_by_engine is None, "the hung engine was killed: it could not count"
+    kills = [e.pod for e in result.events if e.kind.value == "killed"]
+    assert kills == [hung.name]
+
+
 async def test_the_shipped_budget_lets_both_unready_pods_of_the_node_be_evicted(tmp_path: Path) -> None:
     result = await play("shipped-budget", tmp_path)
     s = result.summary

@@ -1,4 +1,4 @@
-"""How long a vLLM server's in-flight gauges lag its streams: ``python -m simulate.vllm.counting_gap --url URL``.
+"""How long a vLLM server's in-flight gauges lag its streams: ``python -m bench.vllm_counting_gap --url URL``.
 
 Streams one request at a time while another connection polls ``/metrics`` as fast as the server answers, and prints
 JSON: per request, the seconds from sending it to the first page reading ``vllm:num_requests_running`` +
