@@ -49,7 +49,7 @@ ENGINES: dict[str, EngineSpec] = {
         # nothing out); after it, for the window (a connection that sent less than it ago holds). So 0.3 s covers
         # both lags, and a pod is released within a poll interval + 0.3 s of its last [DONE].
         zero_confirm_s=0.3,
-        counting_gap_s=2.0,
+        counting_gap_s=2.0,  # twice the longest wait measured from sending a request to its being counted
     ),
     "tgi": EngineSpec(
         "tgi",
