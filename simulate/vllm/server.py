@@ -135,6 +135,12 @@ def tiny_model(root: Path | None = None) -> Path:
     return model
 
 
+def serve_args(model: Path, port: int) -> list[str]:
+    """The arguments, after the venv's Python, that serve ``model`` on 127.0.0.1:``port``."""
+    command = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *SERVE_ARGS]
+    return [*command, "--host", "127.0.0.1", "--port", str(port)]
+
+
 @dataclass
 class VllmServer:
     """One ``vllm.entrypoints.openai.api_server`` process (in a process group of its own) serving the tiny model."""
@@ -155,8 +161,7 @@ class VllmServer:
         return self.process.pid
 
     def start(self) -> None:
-        command = [str(python_of(venv_dir())), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model)]
-        command += [*SERVE_ARGS, "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        command = [str(python_of(venv_dir())), *serve_args(self.model, self.port), *self.extra_args]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 command,
