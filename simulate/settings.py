@@ -87,8 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_switch(
         parser, "--compare", default=False, help="play the scenario with spotdrain and each other way, side by side"
     )
-    add_flag(
-        parser, "--engine", default="fake", choices=("fake", "vllm"), help="the pods' engine: the fake, or real vLLM"
+    # Not read from SPOTDRAIN_ENGINE: that variable is the sidecar's --engine, set in pods' environments.
+    parser.add_argument(
+        "--engine",
+        default="fake",
+        choices=("fake", "vllm"),
+        help="the pods' engine: the fake, or real vLLM (default: fake)",
     )
 
 
