@@ -27,7 +27,10 @@ async def fake_url() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
-async def _call(url: str, path: str, body: dict[str, Any]) -> tuple[int, list[Frame] | dict[str, Any]]:
+Answer = tuple[int, list[Frame] | dict[str, Any]]
+
+
+async def _call(url: str, path: str, body: dict[str, Any]) -> Answer:
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session, session.post(url + path, json=body) as response:
         if not body.get("stream") or response.status != 200:
@@ -124,13 +127,16 @@ REFUSED = [
 ]
 
 
+async def _both(real_url: str, fake_url: str, path: str, body: dict[str, Any]) -> tuple[Answer, Answer]:
+    return await _call(real_url, path, body), await _call(fake_url, path, body)
+
+
 @pytest.mark.parametrize(("name", "path", "body"), STREAMED, ids=[case[0] for case in STREAMED])
 async def test_streamed_frames_match_real_vllm(
     vllm_servers: list[VllmServer], fake_url: str, name: str, path: str, body: dict[str, Any]
 ) -> None:
     chat = "chat" in path
-    real_status, real = await _call(vllm_servers[0].url, path, body)
-    fake_status, fake = await _call(fake_url, path, body)
+    (real_status, real), (fake_status, fake) = await _both(vllm_servers[0].url, fake_url, path, body)
     assert (fake_status, real_status) == (200, 200)
     assert isinstance(real, list)
     assert isinstance(fake, list)
@@ -138,22 +144,11 @@ async def test_streamed_frames_match_real_vllm(
     assert stream_shapes(fake, chat=chat) == stream_shapes(real, chat=chat)
 
 
-@pytest.mark.parametrize(("name", "path", "body"), WHOLE, ids=[case[0] for case in WHOLE])
-async def test_whole_responses_match_real_vllm(
+@pytest.mark.parametrize(("name", "path", "body"), WHOLE + REFUSED, ids=[case[0] for case in WHOLE + REFUSED])
+async def test_whole_responses_and_refusals_match_real_vllm(
     vllm_servers: list[VllmServer], fake_url: str, name: str, path: str, body: dict[str, Any]
 ) -> None:
-    real_status, real = await _call(vllm_servers[0].url, path, body)
-    fake_status, fake = await _call(fake_url, path, body)
-    assert (fake_status, real_status) == (200, 200)
-    assert shape(fake) == shape(real)
-
-
-@pytest.mark.parametrize(("name", "path", "body"), REFUSED, ids=[case[0] for case in REFUSED])
-async def test_refusals_match_real_vllm(
-    vllm_servers: list[VllmServer], fake_url: str, name: str, path: str, body: dict[str, Any]
-) -> None:
-    real_status, real = await _call(vllm_servers[0].url, path, body)
-    fake_status, fake = await _call(fake_url, path, body)
+    (real_status, real), (fake_status, fake) = await _both(vllm_servers[0].url, fake_url, path, body)
     assert fake_status == real_status
     assert shape(fake) == shape(real)
 
