@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test test-engines demo lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest
+
+# The real-engine tier: real vLLM (a CPU build, in a venv of its own outside the repository) serving a tiny model.
+# Where vLLM cannot be installed, its tests report skipped with the reason.
+test-engines: $(STAMP)
+	$(BIN)/python -m simulate.vllm install
+	SPOTDRAIN_ENGINE_TIER=1 $(BIN)/pytest tests/engines
 
 demo: $(STAMP)
 	$(BIN)/spotdrain simulate

@@ -41,6 +41,14 @@ def _logging_to(handle: TextIO) -> Iterator[None]:
         structlog.configure(logger_factory=before)
 
 
+def _vllm_missing() -> str | None:
+    """Why real vLLM cannot serve the pods here (None: it can)."""
+    from simulate.vllm.server import available
+
+    reason = available()
+    return None if reason is None else f"{reason}; `python -m simulate.vllm install` installs it"
+
+
 def _say(line: str) -> None:
     print(line, flush=True)
 
@@ -49,6 +57,9 @@ def main(args: argparse.Namespace) -> int:
     settings = from_arguments(args)
     if settings.compare:
         return _compare(settings)
+    if settings.engine == "vllm" and (reason := _vllm_missing()) is not None:
+        print(f"spotdrain simulate --engine vllm: skipped: {reason}", file=sys.stderr)
+        return 0
     from simulate.page import render_html
     from simulate.report import as_json, header, live_printer, verdict
     from simulate.run import budget_s, simulate
@@ -65,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         try:
             result = asyncio.run(simulate(settings, workdir=workdir, sink=sink))
         except TimeoutError:
-            print(_hung(settings, budget_s(settings.timings)), file=sys.stderr)
+            print(_hung(settings, budget_s(settings)), file=sys.stderr)
             return 1
         if settings.json:
             json.dump(as_json(result), sys.stdout, indent=2)
@@ -94,7 +105,7 @@ def _compare(settings: SimulationSettings) -> int:
         try:
             comparison = asyncio.run(compare(settings, workdir=workdir))
         except TimeoutError:
-            print(_hung(settings, budget_s(settings.timings)), file=sys.stderr)
+            print(_hung(settings, budget_s(settings)), file=sys.stderr)
             return 1
         if settings.json:
             json.dump(as_json(comparison), sys.stdout, indent=2)

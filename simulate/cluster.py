@@ -34,6 +34,12 @@ NAMESPACE = "ml"
 INSTANCE = "i-0123456789abcdef0"
 LABELS = {"app": "vllm"}
 STARTUP_S = 30.0
+VLLM_STARTUP_S = 240.0  # real vLLM loads the tiny model in 30-70 s here, longer when several load at once
+
+
+def startup_s(settings: SimulationSettings) -> float:
+    """How long the cluster may take to start: its engines are the slow part."""
+    return VLLM_STARTUP_S if settings.engine == "vllm" else STARTUP_S
 
 
 class Cluster:
@@ -48,6 +54,7 @@ class Cluster:
         ports: set[int] | None = None,
     ) -> None:
         self.settings = settings
+        self.startup_s = startup_s(settings)
         self.way = way
         self.timings = settings.timings
         self.scenario = scenario
@@ -100,7 +107,7 @@ class Cluster:
         self._seed_api()
         # Picked once the fakes listen on the ports the kernel gave them, so that none of these can be one of those.
         self.notice_port, self.metrics_port = self.port(), self.port()
-        async with asyncio.timeout(STARTUP_S):
+        async with asyncio.timeout(self.startup_s):
             await asyncio.gather(
                 *([self.start_agent()] if self.way.spotdrain else []),
                 *(self._start_pod(name) for name in self.pod_names),
@@ -176,6 +183,8 @@ class Cluster:
             if (cut := engine_cut(fields)) is not None:
                 report["cut"] = cut
 
+        if self.settings.engine == "vllm":
+            return await self._start_vllm(name, port), report
         args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s))
         ending = self.scenario.sigterm_ending(self.pod_names.index(name)) if name in self.pod_names else None
         if ending is not None:
@@ -191,6 +200,17 @@ class Cluster:
             raise RuntimeError(f"{name}'s engine exited before it listened on port {port}: see {engine.log_path}")
         return engine, report
 
+    async def _start_vllm(self, name: str, port: int) -> Proc:
+        """A pod's real vLLM (its API server and engine core, one process group); returns once it is healthy."""
+        from simulate.vllm import server
+
+        model = await asyncio.to_thread(server.tiny_model)
+        python = str(server.python_of(server.venv_dir()))
+        args = server.serve_args(model, port)
+        engine = await self.procs.start(f"{name}-engine", args, env=server.ENGINE_ENV, python=python, group=True)
+        await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=self.startup_s)
+        return engine
+
     def _probe(self, tmp: Path, port: int) -> Probe:
         if self.way.readiness is Readiness.SEED:
             return exec_probe(shell(adapted(SEED_READINESS, tmp=tmp, engine_port=port, scale=self.timings.scale)))
@@ -203,9 +223,7 @@ class Cluster:
     async def _start_spare(self, name: str) -> None:
         """A pod on the second node: only its engine takes part, since nothing ever drains it."""
         port = self.port()
-        args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s))
-        await self.procs.start(f"{name}-engine", args)
-        await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=STARTUP_S)
+        await self.start_engine(name, port)
         self.spare_ports[name] = port
 
     async def start_gateway(self, backend_url: str) -> str:

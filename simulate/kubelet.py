@@ -150,7 +150,10 @@ class Kubelet:
         async def engine() -> None:
             code = await pod.engine.exited()
             cut = pod.engine_report.get("cut")
-            said = f"; it counted {cut} streams cut" if cut is not None else " (killed: it could not count)"
+            if cut is not None:
+                said = f"; it counted {cut} streams cut"
+            else:  # the fake engine logs its count when it exits; a killed one, or real vLLM, says nothing
+                said = " (killed: it could not count)" if code < 0 else " (it reports no count)"
             text = f"engine exited (code {code}){said}"
             self.recorder.record(Kind.ENGINE_EXITED, pod.name, text, pod=pod.name, code=code, cut=cut)
 

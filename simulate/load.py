@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 import structlog
@@ -65,7 +66,9 @@ class Load:
         pod: str | None = None
         received = 0
         done = False
-        body = {"prompt": f"slot {slot}", "max_tokens": wanted, "stream": True}
+        finish: str | None = None
+        # Token ids count the tokens: chunks do not, since vLLM merges a character's bytes into one chunk.
+        body = {"prompt": f"slot {slot}", "max_tokens": wanted, "stream": True, "return_token_ids": True}
         name = str(next(self._names))
         try:
             async with session.post(
@@ -77,13 +80,16 @@ class Load:
                 stream_id = next(self._stream_ids)
                 pod = response.headers.get(POD_HEADER)
                 async for raw in response.content:
-                    token, finished = parse_line(raw)
-                    received += token
-                    done = done or finished
+                    line = parse_line(raw)
+                    received += line.tokens
+                    done = done or line.done
+                    finish = line.finish or finish
         except (aiohttp.ClientError, ConnectionResetError) as error:
             # The stream broke off: whatever arrived is all there is.
             log.info("load.stream_broke", slot=slot, pod=pod, received=received, error=repr(error))
-        outcome = Outcome.COMPLETED if done and received == wanted else Outcome.CUT
+        # A stream that ends in a stop (vLLM's end-of-sequence token) is whole however long it was.
+        whole = done and (finish == "stop" or (finish == "length" and received == wanted))
+        outcome = Outcome.COMPLETED if whole else Outcome.CUT
         stream_id = stream_id or next(self._stream_ids)  # it broke off before any answer: a stream cut, as before
         # Through the gateway a continued stream is routed again, under the same name: where it moved, and when.
         routed = list(self.hops.get(name, ()))
@@ -92,16 +98,26 @@ class Load:
         return StreamRecord(stream_id, slot, pod, started, ended, wanted, received, outcome, moves=moves)
 
 
-def parse_line(raw: bytes) -> tuple[int, bool]:
-    """One line of a server-sent event stream: (tokens it carries, whether it is the final ``[DONE]``)."""
+@dataclass(frozen=True)
+class Line:
+    tokens: int = 0
+    done: bool = False  # the final ``[DONE]``
+    finish: str | None = None
+
+
+def parse_line(raw: bytes) -> Line:
+    """One line of a server-sent event stream: the tokens it carries (its token ids, else one per choice), its
+    finish reason, and whether it is the final ``[DONE]``."""
     line = raw.decode(errors="replace").strip()
     if not line.startswith("data: "):
-        return 0, False
+        return Line()
     data = line.removeprefix("data: ")
     if data == "[DONE]":
-        return 0, True
+        return Line(done=True)
     try:
-        choices = json.loads(data)["choices"]
-    except (ValueError, KeyError, TypeError):
-        return 0, False
-    return (1, False) if choices else (0, False)
+        choice = json.loads(data)["choices"][0]
+        ids, finish = choice.get("token_ids"), choice.get("finish_reason")
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return Line()
+    tokens = len(ids) if isinstance(ids, list) else 1
+    return Line(tokens, finish=finish if isinstance(finish, str) else None)

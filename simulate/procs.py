@@ -29,6 +29,7 @@ class Proc:
     name: str
     process: asyncio.subprocess.Process
     log_path: Path
+    group: bool = False  # the leader of a process group of its own: signals go to the whole group
     reader: asyncio.Task[None] | None = None
     # What it printed first ("" if nothing): the AWS fake prints its endpoint there.
     first_line: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -40,7 +41,10 @@ class Proc:
     def signal(self, sig: signal.Signals) -> None:
         if self.running:
             with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(sig)
+                if self.group:
+                    os.killpg(self.process.pid, sig)
+                else:
+                    self.process.send_signal(sig)
 
     async def exited(self) -> int:
         """Wait until the process has exited and its output is read to the end; returns its exit code."""
@@ -83,17 +87,22 @@ class ProcessGroup:
         *,
         listener: Listener | None = None,
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
+        group: bool = False,
     ) -> Proc:
-        """Start ``python <args>``; its output goes to ``<log_dir>/<name>.log`` and JSON lines to ``listener``."""
+        """Start ``python <args>``; its output goes to ``<log_dir>/<name>.log`` and JSON lines to ``listener``.
+
+        ``group`` starts it in a process group of its own, signalled as one (a program with worker processes)."""
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
+            python,
             *args,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
+            start_new_session=group,
         )
-        proc = Proc(name, process, self.log_dir / f"{name}.log")
+        proc = Proc(name, process, self.log_dir / f"{name}.log", group=group)
         assert process.stdout is not None
         proc.reader = asyncio.create_task(_tap(proc, process.stdout, listener), name=f"tap-{name}")
         self.procs.append(proc)

@@ -14,6 +14,10 @@ from simulate.timeline import STREAM_KINDS, Event, Kind
 from spotdrain.settings import plain
 
 
+def _engine(settings: SimulationSettings) -> str:
+    return " (lengths; real vLLM 0.32.0 paces them itself)" if settings.engine == "vllm" else ""
+
+
 def header(settings: SimulationSettings, scenario: Scenario) -> str:
     t = settings.timings
     return "\n".join(
@@ -21,7 +25,8 @@ def header(settings: SimulationSettings, scenario: Scenario) -> str:
             f"spotdrain simulate: {scenario.name}",
             f"  {scenario.title}",
             f"  {settings.pods} pods on one node{_spare(settings)}, {settings.streams_per_pod} streams each at "
-            f"{settings.tokens_per_s:g} tokens/s; a notice of {t.notice_s:g} s stands for the 120 s of a Spot warning",
+            f"{settings.tokens_per_s:g} tokens/s{_engine(settings)}; a notice of {t.notice_s:g} s stands for the 120 s "
+            "of a Spot warning",
             f"  sidecars: drain timeout {t.window_s:g} s, endpoint delay {t.endpoint_delay_s:g} s; "
             f"node agent: eviction margin {t.eviction_margin_s:g} s, eviction delay {t.eviction_delay_s:g} s",
             f"  expected: {GATEWAY_EXPECTATION if settings.gateway else scenario.expectation}",

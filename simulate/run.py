@@ -18,14 +18,14 @@ from typing import Any
 import structlog
 
 from simulate.baselines import SPOTDRAIN, Way
-from simulate.cluster import NODE, STARTUP_S, Cluster
+from simulate.cluster import NODE, STARTUP_S, Cluster, startup_s
 from simulate.load import Hops, Load
 from simulate.nth import nth_style
 from simulate.observe import node_watcher
 from simulate.probes import http_probe
 from simulate.router import Backend, Router
 from simulate.scenarios import SCENARIOS, Check, Scenario, judge, stream_seconds
-from simulate.settings import SimulationSettings, Timings
+from simulate.settings import SimulationSettings
 from simulate.summary import Facts, Summary, summarize
 from simulate.timeline import Event, Kind, Recorder, StreamRecord
 from spotdrain.clock import rfc3339, utcnow
@@ -89,9 +89,10 @@ class _Tasks:
             raise RuntimeError(f"a part of the simulation failed: {failures[0]!r}") from failures[0]
 
 
-def budget_s(timings: Timings) -> float:
+def budget_s(settings: SimulationSettings) -> float:
     """The most a run may take before it is stopped as hung."""
-    return 2 * STARTUP_S + timings.warmup_s + timings.notice_s + 3 * SETTLE_S
+    timings = settings.timings
+    return 2 * startup_s(settings) + timings.warmup_s + timings.notice_s + 3 * SETTLE_S
 
 
 async def simulate(
@@ -116,7 +117,7 @@ async def simulate(
 
     recorder = Recorder(asyncio.get_running_loop().time, sink=observe)
     cluster = Cluster(settings, scenario, recorder, workdir=workdir, way=way, ports=ports)
-    async with asyncio.timeout(budget_s(settings.timings)):
+    async with asyncio.timeout(budget_s(settings)):
         deadline, facts = await _play(settings, scenario, recorder, seen, cluster)
     events = tuple(sorted(recorder.events, key=lambda e: e.at))
     pods = [f"vllm-{index}" for index in range(settings.pods)]

@@ -77,6 +77,7 @@ class SimulationSettings:
     log_dir: Path | None = None
     gateway: bool = False  # spotdrain gateway in front of the router, and a second node that is not interrupted
     compare: bool = False  # play the scenario once per way of handling the notice (simulate.baselines)
+    engine: str = "fake"  # or "vllm": real vLLM processes (simulate.vllm) serve the pods instead of the fake engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_switch(
         parser, "--compare", default=False, help="play the scenario with spotdrain and each other way, side by side"
+    )
+    # Not read from SPOTDRAIN_ENGINE: that variable is the sidecar's --engine, set in pods' environments.
+    parser.add_argument(
+        "--engine",
+        default="fake",
+        choices=("fake", "vllm"),
+        help="the pods' engine: the fake, or real vLLM (default: fake)",
     )
 
 
@@ -113,6 +121,11 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
         f"--compare plays one of {', '.join(COMPARABLE)}: the others have no notice or play spotdrain's own parts",
     )
     require(not (args.compare and args.gateway), "--compare plays the node without the gateway")
+    require(args.engine == "fake" or not args.compare, "--compare plays the fake engine (one set of pods per way)")
+    require(
+        args.engine == "fake" or args.pods * (2 if args.gateway else 1) <= 4,
+        "--engine vllm runs at most 4 vLLM servers (about 3 GB each): lower --pods",
+    )
     return SimulationSettings(
         scenario=args.scenario,
         pods=args.pods,
@@ -125,4 +138,5 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
         log_dir=args.log_dir,
         gateway=args.gateway,
         compare=args.compare,
+        engine=args.engine,
     )

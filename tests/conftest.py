@@ -140,3 +140,7 @@ async def node_agent(kube: FakeKube, kubeconfig: Path, *flags: str, stop_within_
     finally:
         os.kill(os.getpid(), signal.SIGTERM)
         assert await asyncio.wait_for(task, stop_within_s) == 0
+
+
+# The real-engine tier (tests/engines) serves real vLLM: `make test-engines` runs it, `make test` does not.
+collect_ignore = [] if os.environ.get("SPOTDRAIN_ENGINE_TIER") == "1" else ["engines"]

@@ -21,8 +21,8 @@ from simulate.fakes.engine_config import EngineConfig as EngineConfig  # where t
 from simulate.fakes.engine_config import parse_flags
 from simulate.fakes.engine_metrics import VllmMetrics
 from simulate.fakes.engine_shutdown import ERROR_EVENT, Shutdown, client_gone, refused
-from simulate.fakes.openai_format import DONE, Job, Stream, error_body, read_job
-from simulate.fakes.tokens import VOCAB, Context, text_of
+from simulate.fakes.openai_format import DONE, InvalidRequest, Job, Stream, error_body, read_job
+from simulate.fakes.tokens import Context, text_of
 
 log = structlog.get_logger()
 
@@ -71,9 +71,15 @@ class FakeEngine:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
-            job = read_job(await request.json(), chat=chat, max_model_len=self.config.max_model_len)
-        except ValueError as error:  # InvalidRequest, or a body that is not JSON
+            body = await request.json()
+            job = read_job(body, chat=chat, max_model_len=self.config.max_model_len)
+        except InvalidRequest as error:
+            return web.json_response(error_body(str(error), kind=error.kind, param=error.param), status=400)
+        except ValueError as error:  # a body that is not JSON
             return web.json_response(error_body(str(error) or "invalid request body"), status=400)
+        if body.get("model", self.config.model) != self.config.model:  # vLLM 0.32.0 (measured)
+            message = f"The model `{body['model']}` does not exist. Valid aliases: {self.config.model}."
+            return web.json_response(error_body(message, kind="NotFoundError", code=404, param="model"), status=404)
         if self.shutdown.draining:
             return refused()
         if self.config.fault == "unavailable":
@@ -82,7 +88,8 @@ class FakeEngine:
             )
         engine = next(self._next_engine)
         prefix = "chatcmpl" if chat else "cmpl"
-        out = Stream(chat, f"{prefix}-{next(self._ids):016x}", int(time.time()), self.config.model, job.token_ids)
+        identity = f"{prefix}-{next(self._ids):016x}"
+        out = Stream(chat, identity, int(time.time()), self.config.model, job.token_ids, job.include_usage)
         if not job.stream:
             return web.json_response(await self._generate_whole(job, out, engine=engine))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -92,21 +99,28 @@ class FakeEngine:
 
     async def _generate_whole(self, job: Job, out: Stream, *, engine: int) -> dict[str, object]:
         ids: list[int] = []
+        texts: list[str] = []
         finish, stop = "length", None
         async with aclosing(self._tokens(job, engine=engine)) as tokens:
-            async for token, finish_now, stop_now in tokens:
-                ids += [] if token is None else [token]
+            async for token, text, finish_now, stop_now in tokens:
+                ids.append(token)
+                texts.append(text)
                 if finish_now is not None:
                     finish, stop = finish_now, stop_now
-        return out.whole(text_of(ids), finish=finish, stop=stop, prompt_ids=job.prompt_ids, ids=ids)
+        return out.whole("".join(texts), finish=finish, stop=stop, prompt_ids=job.prompt_ids, ids=ids)
 
-    async def _tokens(self, job: Job, *, engine: int) -> AsyncGenerator[tuple[int | None, str | None, str | None]]:
-        """The engine's steps: (token or None for a stop string, finish_reason, stop_reason), paced, counted."""
+    async def _tokens(self, job: Job, *, engine: int) -> AsyncGenerator[tuple[int, str, str | None, str | None]]:
+        """The engine's steps: (token, its text, finish_reason, stop_reason), paced, counted.
+
+        A stop string ends the generation where it appears in the text, inside a token too, and is left out of the
+        text (vLLM's default ``include_stop_str_in_output: false``); the token that completed it is still counted
+        and returned among the ids, as vLLM 0.32.0 does (measured)."""
         labels = self.labels(engine)
         context = Context(job.prompt_ids)
         self.metrics.prompt_tokens.labels(**labels).inc(max(1, len(job.prompt_ids)))
         last = time.monotonic()
         generated = 0
+        text = ""
         try:
             while generated < job.max_tokens:
                 await asyncio.sleep(1 / self.config.tokens_per_s)
@@ -119,10 +133,14 @@ class FakeEngine:
                 self.kv_tokens[engine] += 1
                 self.metrics.generation_tokens.labels(**labels).inc()
                 self._publish(engine)
-                if VOCAB[token].strip() in job.stop:  # vLLM leaves the stop string out of the text by default
-                    yield None, "stop", VOCAB[token].strip()
+                piece = text_of([token])
+                found = _first_stop(text, piece, job.stop)
+                if found is not None:
+                    at, stop = found
+                    yield token, (text + piece)[len(text) : max(len(text), at)], "stop", stop
                     return
-                yield token, "length" if generated == job.max_tokens else None, None
+                text += piece
+                yield token, piece, "length" if generated == job.max_tokens else None, None
         finally:
             self.kv_tokens[engine] -= generated
 
@@ -146,7 +164,7 @@ class FakeEngine:
                 if first is not None:
                     await response.write(first)
                 async with aclosing(self._tokens(job, engine=engine)) as tokens:
-                    async for token, finish, stop in tokens:
+                    async for token, text, finish, stop in tokens:
                         if self.shutdown.ending is not None:
                             self.cut += 1
                             await self._fault(self.shutdown.ending, request, response, job, out, generated=generated)
@@ -156,11 +174,8 @@ class FakeEngine:
                             fault, request, response, job, out, generated=generated
                         ):
                             return
-                        ids = [] if token is None else [token]
                         first_ids = job.prompt_ids if generated == 0 else None
-                        await response.write(
-                            out.token(text_of(ids), ids, finish=finish, stop=stop, prompt_ids=first_ids)
-                        )
+                        await response.write(out.token(text, [token], finish=finish, stop=stop, prompt_ids=first_ids))
                         generated += 1
                 if self.config.linger_s > 0:
                     self.running[engine] -= 1
@@ -243,6 +258,13 @@ class FakeEngine:
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/health", self.health)
         return app
+
+
+def _first_stop(text: str, piece: str, stops: frozenset[str]) -> tuple[int, str] | None:
+    """Where the first stop string completed by ``piece`` starts in ``text + piece``, and which one it is."""
+    whole = text + piece
+    found = [(at, stop) for stop in stops if (at := whole.find(stop, max(0, len(text) - len(stop) + 1))) >= 0]
+    return min(found) if found else None
 
 
 async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyncio.Event) -> FakeEngine:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 DONE = b"data: [DONE]\n\n"
+# vLLM 0.32.0 (measured): the chunk of the last token, the usage chunk and whole responses carry a fingerprint.
+FINGERPRINT = "vllm-0.32.0-fake"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -31,8 +33,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def error_body(message: str, *, kind: str = "BadRequestError", code: int = 400) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(
+    message: str, *, kind: str = "BadRequestError", code: int = 400, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Stream:
     created: int
     model: str
     token_ids: bool
+    include_usage: bool = False
 
     @property
     def object(self) -> str:
@@ -77,35 +82,59 @@ class Stream:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
             choice["prompt_token_ids"] = prompt_ids if self.token_ids else None
             choice["token_ids"] = token_ids
-        return sse(self._envelope([choice]))
+        chunk = self._envelope([choice])
+        if finish is not None and not self.include_usage:  # else the usage chunk carries it
+            chunk["system_fingerprint"] = FINGERPRINT
+        return sse(chunk)
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         chunk = self._envelope([])
         chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        chunk["system_fingerprint"] = FINGERPRINT
         return sse(chunk)
 
     def whole(
         self, text: str, *, finish: str, stop: str | None, prompt_ids: list[int], ids: list[int]
     ) -> dict[str, Any]:
-        """The non-streamed response: one choice with all the text, and usage."""
-        choice: dict[str, Any]
+        """The non-streamed response: one choice with all the text, and usage, with every field vLLM 0.32.0 sends
+        (its pydantic models dumped whole: unset fields as null)."""
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            message = {"role": "assistant", "content": text, "tool_calls": []}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+            choice["message"] = {"role": "assistant", "content": text, **dict.fromkeys(CHAT_MESSAGE_NULLS)}
+            choice.update(logprobs=None, finish_reason=finish, stop_reason=stop)
+            choice.update(token_ids=ids if self.token_ids else None, routed_experts=None)
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
-            choice["prompt_logprobs"] = None
-        if self.token_ids:
-            choice["prompt_token_ids"] = prompt_ids
-            choice["token_ids"] = ids
+            choice.update(text=text, logprobs=None, finish_reason=finish, stop_reason=stop)
+            choice.update(token_ids=ids if self.token_ids else None, prompt_logprobs=None)
+            choice.update(prompt_token_ids=prompt_ids if self.token_ids else None, routed_experts=None)
         body = self._envelope([choice])
         body["object"] = "chat.completion" if self.chat else "text_completion"
-        body["usage"] = usage(len(prompt_ids), len(ids))
+        body.update(service_tier=None, system_fingerprint=FINGERPRINT)
+        body["usage"] = {**usage(len(prompt_ids), len(ids)), "prompt_tokens_details": None}
+        body["usage"]["completion_tokens_details"] = None
+        if self.chat:
+            body.update(prompt_logprobs=None, prompt_token_ids=prompt_ids if self.token_ids else None, prompt_text=None)
+        body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return body
 
 
+CHAT_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
+
+
 class InvalidRequest(ValueError):
-    """A request vLLM would answer with a 400."""
+    """A request vLLM would answer with a 400: the body's field (``param``) and the error's type.
+
+    vLLM 0.32.0 (measured): a field of the wrong JSON type fails its request model's validation, answered with type
+    ``Bad Request`` and ``param`` ``body.<field>``; a value it checks itself gets ``BadRequestError``."""
+
+    def __init__(self, message: str, *, param: str | None = None, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.param = param
+        self.kind = kind
+
+
+def _wrong_type(field: str, expected: str) -> InvalidRequest:
+    return InvalidRequest(f"body.{field}: Input should be {expected}", param=f"body.{field}", kind="Bad Request")
 
 
 @dataclass(frozen=True)
@@ -129,7 +158,7 @@ def _stop(body: dict[str, Any]) -> frozenset[str]:
         return frozenset({stop})
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return frozenset(stop)
-    raise InvalidRequest("stop must be a string or a list of strings")
+    raise _wrong_type("stop", "a valid string or a valid list")
 
 
 def _prompt_ids(body: dict[str, Any], *, chat: bool) -> tuple[list[int], str]:
@@ -138,7 +167,7 @@ def _prompt_ids(body: dict[str, Any], *, chat: bool) -> tuple[list[int], str]:
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list):
-            raise InvalidRequest("messages must be a list")
+            raise _wrong_type("messages", "a valid list")
         add_generation_prompt = bool(body.get("add_generation_prompt", True))
         try:
             text = render_chat(
@@ -156,7 +185,7 @@ def _prompt_ids(body: dict[str, Any], *, chat: bool) -> tuple[list[int], str]:
         return tokenize(prompt), "assistant"
     if isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompt):
         return list(prompt), "assistant"  # token ids, as vLLM accepts them
-    raise InvalidRequest("prompt must be a string or a list of token ids (one prompt)")
+    raise _wrong_type("prompt", "a valid string or a valid list (one prompt)")
 
 
 def read_job(body: Any, *, chat: bool, max_model_len: int) -> Job:
@@ -174,9 +203,17 @@ def read_job(body: Any, *, chat: bool, max_model_len: int) -> Job:
     if limit is None:
         limit = room if chat else 16
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise InvalidRequest("max_tokens must be at least 1")
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if limit > max_model_len:
+        raise InvalidRequest(
+            f"max_tokens={limit} cannot be greater than max_model_len={max_model_len}. Please request fewer output "
+            f"tokens. (parameter=max_tokens, value={limit})",
+            param="max_tokens",
+        )
     if limit > room:
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens.")
+    if _greedy(body) and _count(body.get("n", 1)) > 1:
+        raise InvalidRequest(f"n must be 1 when using greedy sampling, got {body['n']}.")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("stream_options must be an object")
@@ -189,3 +226,13 @@ def read_job(body: Any, *, chat: bool, max_model_len: int) -> Job:
         token_ids=bool(body.get("return_token_ids", False)),
         role=role,
     )
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def _greedy(body: dict[str, Any]) -> bool:
+    """vLLM samples greedily below a temperature of 1e-5 (its ``_SAMPLING_EPS``); unset means 1.0."""
+    temperature = body.get("temperature")
+    return isinstance(temperature, int | float) and temperature < 1e-5

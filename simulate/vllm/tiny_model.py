@@ -16,12 +16,13 @@ from pathlib import Path
 
 VOCAB_SIZE = 3000
 SEED = 1234
-WORDS = (
+_WORDS = (
     "the a stream token node spot drain engine replica gateway kube pod notice deadline cache model weights "
     "interruption capacity request response prompt text chunk finish reason usage server client queue "
     "naïve café Grüße straße crème brûlée façade über Ελλάδα данные узел 東京 節点 流れ 모델 토큰 🚀 ✓ — … «» "
     "0 1 2 3 42 128 2048 3.14 , . ; : ! ? ( ) [ ] { } \" ' - + = / * # @ % & _ ~"
-).split()
+)
+WORDS = _WORDS.split()
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -68,8 +69,10 @@ def build(out: Path) -> None:
         torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # wider logits than the default init: greedy picks vary, so the text does too
-        model.lm_head.weight.normal_(0.0, 0.5)
+    with torch.no_grad():  # wider than the default init: greedy text varies instead of repeating one token
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0.0, 2.0 * weight.shape[1] ** -0.5)
     model.save_pretrained(out, safe_serialization=True)
     (out / "recipe.json").write_text(json.dumps({"seed": SEED, "vocab_size": VOCAB_SIZE}))
 

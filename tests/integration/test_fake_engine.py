@@ -152,14 +152,16 @@ async def test_a_chat_stream_has_vllms_shape_role_first_finish_on_the_last_token
     assert len({c["id"] for c in chunks[:6]}) == 1
 
 
-async def test_a_stop_word_ends_the_stream_with_stop_and_is_left_out() -> None:
+async def test_a_stop_string_ends_the_stream_where_it_appears_and_is_left_out() -> None:
     async with running_engine(FAST) as port:
         whole = completion_text(await events(port, "/v1/completions", {"prompt": "p", "max_tokens": 40}))
         word = whole.split()[5]
         chunks = await events(port, "/v1/completions", {"prompt": "p", "max_tokens": 40, "stop": [word]})
-    assert chunks[-2]["choices"][0] | {"text": ""} == chunks[-2]["choices"][0]
+        inside = await events(port, "/v1/completions", {"prompt": "p", "max_tokens": 40, "stop": word[1:3]})
+    assert chunks[-2]["choices"][0]["text"] == " "  # the token " word" up to its stop string
     assert (chunks[-2]["choices"][0]["finish_reason"], chunks[-2]["choices"][0]["stop_reason"]) == ("stop", word)
-    assert completion_text(chunks) == whole[: whole.index(" " + word)]
+    assert completion_text(chunks) == whole[: whole.index(word)]
+    assert completion_text(inside) == whole[: whole.index(word[1:3])]  # a stop string inside a token, as vLLM
 
 
 async def test_models_lists_the_served_model() -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from sidecar.draining import ENGINE_EXIT_MARGIN
 from simulate import cli, run
-from simulate.load import parse_line
+from simulate.load import Line, parse_line
 from simulate.observe import agent_note, gateway_note, node_marks, sidecar_note
 from simulate.page import render_html
 from simulate.report import as_json, render
@@ -207,17 +207,31 @@ def test_log_events_become_timeline_notes() -> None:
     assert node_marks({"spec": {"taints": [{"key": "nvidia.com/gpu"}]}}) == {}
 
 
+KEYS = ("choices", "token_ids", "finish_reason", "text", "usage", "x")
+
+
 def test_a_stream_line_counts_tokens_and_the_end() -> None:
-    assert parse_line(b'data: {"choices":[{"text":" t1"}]}\n') == (1, False)
-    assert parse_line(b"data: [DONE]\n") == (0, True)
-    assert parse_line(b"\n") == (0, False)
+    assert parse_line(b'data: {"choices":[{"text":" t1"}]}\n') == Line(1)
+    assert parse_line(b'data: {"choices":[{"text":"","token_ids":[7]}]}\n') == Line(1)  # a held-back byte
+    assert parse_line(b'data: {"choices":[{"text":"\xc3\xa9","token_ids":[7, 8]}]}\n') == Line(2)
+    assert parse_line(b'data: {"choices":[{"text":"x","finish_reason":"stop"}]}\n') == Line(1, finish="stop")
+    assert parse_line(b'data: {"choices":[],"usage":{}}\n') == Line()
+    assert parse_line(b"data: [DONE]\n") == Line(done=True)
+    assert parse_line(b"\n") == Line()
 
 
-@given(st.binary(max_size=200))
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(st.binary(max_size=200) | JSON.map(lambda value: b"data: " + json.dumps(value).encode()))
 def test_no_line_crashes_the_stream_parser(raw: bytes) -> None:
-    tokens, done = parse_line(raw)
-    assert tokens in (0, 1)
-    assert isinstance(done, bool)
+    line = parse_line(raw)
+    assert line.tokens >= 0
+    assert isinstance(line.done, bool)
 
 
 def result(events: list[Event], streams: list[StreamRecord], scenario: str = "short-streams") -> RunResult:

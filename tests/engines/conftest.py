@@ -1,0 +1,46 @@
+"""Real vLLM servers for the real-engine tier: started once per session, revived after a test kills one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from simulate.fakes.processes import free_port
+from simulate.vllm.server import VllmServer, available, start_servers, tiny_model
+
+SERVERS = 3  # enough to kill one and still continue on another, with a third for tests that need two alive
+
+
+@pytest.fixture(scope="session")
+def vllm_model() -> Path:
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        return tiny_model()
+    except (OSError, RuntimeError) as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def vllm_pool(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    log_dir = tmp_path_factory.mktemp("vllm")
+    servers = start_servers([free_port() for _ in range(SERVERS)], model=vllm_model, log_dir=log_dir)
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def vllm_servers(vllm_pool: list[VllmServer]) -> list[VllmServer]:
+    """Every server of the pool running: one a previous test killed or stopped is started again first."""
+    dead = [server for server in vllm_pool if server.process is None or server.process.poll() is not None]
+    for server in dead:
+        server.start()
+    for server in dead:
+        server.wait_ready()
+    return vllm_pool
