@@ -123,6 +123,10 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
     require(not (args.compare and args.gateway), "--compare plays the node without the gateway")
     require(args.engine == "fake" or not args.compare, "--compare plays the fake engine (one set of pods per way)")
     require(
+        args.engine == "fake" or args.scenario != "sigterm-endings",
+        "--scenario sigterm-endings chooses each fake engine's ending; real vLLM picks its own",
+    )
+    require(
         args.engine == "fake" or args.pods * (2 if args.gateway else 1) <= 4,
         "--engine vllm runs at most 4 vLLM servers (about 3 GB each): lower --pods",
     )
