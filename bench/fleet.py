@@ -64,12 +64,14 @@ def pss_mb(pid: int) -> float:
 
 
 def connection_count_ms(calls: int = 50) -> float:
-    """CPU milliseconds one count of an engine's connections costs on this machine (both /proc/net/tcp tables)."""
-    from sidecar.netstat import established_connections
+    """CPU milliseconds one look at an engine's connections costs on this machine, as the sidecar looks: sock_diag
+    (the kernel filters the port), or both /proc/net/tcp tables where sock_diag cannot be asked."""
+    from sidecar.connections import EngineConnections
 
+    look = EngineConnections()
     began = time.process_time()
     for _ in range(calls):
-        established_connections(1)
+        look(1)
     return (time.process_time() - began) / calls * 1000
 
 
@@ -205,8 +207,9 @@ async def _run(workdir: Path, procs: list[asyncio.subprocess.Process]) -> list[R
     per = f"{SIDECARS} sidecars at default settings over {WINDOW_S:g} s on {os.cpu_count()} cores"
     drain_detail = f"{per}, each reading in-flight {DRAINING_IN_FLIGHT} every 0.5 s; {rows} sockets in /proc/net/tcp*"
     count_detail = (
-        "one count of the engine's connections (/proc/net/tcp and tcp6), taken only while a drain sees no progress; "
-        f"the kernel walks its whole TCP hash table ({ehash_entries()} entries here) for it, whatever the sockets"
+        "one look at the engine's connections (sock_diag filtered in the kernel to the port, else /proc/net/tcp and "
+        "tcp6), taken only once a zero is confirmed or a drain sees no progress; the kernel walks its whole TCP hash "
+        f"table ({ehash_entries()} entries here) for it, whatever the sockets"
     )
     serving_detail = f"{per}, each holding one long poll (--notice-wait 30) on the agent's notice board"
     return [

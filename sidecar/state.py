@@ -4,9 +4,10 @@ Phases only move forward: SERVING -> DRAINING -> DRAINED. While draining, each r
 the drain running or ends it with an outcome:
 
 - ``drained``: in-flight was 0 on consecutive readings spanning the engine's reporting interval (``zero_confirm_s``:
-  a page can lag the engine by that much) and, at the last of them, no client held a connection to the engine's
-  port (a client may still be receiving buffered bytes when the count is already 0);
-- ``stalled``: in-flight unchanged, the token counter still and no client connected for ``stall_after_s``
+  a page can lag the engine by that much) and, at the last of them, no connection to the engine's port could still
+  carry a request (``sidecar.connections``: a request not yet counted, bytes a client has still to read; idle
+  keep-alive connections do not count);
+- ``stalled``: in-flight unchanged, the token counter still and no such connection for ``stall_after_s``
   (vLLM's gauges can stay non-zero after clients went away);
 - ``timeout``: the deadline passed; the streams still counted then are the ones cut.
 
@@ -46,7 +47,7 @@ class Reading:
     at: float
     in_flight: int | None
     tokens: float | None = None
-    connections: int | None = None
+    connections: int | None = None  # connections that may still carry a request (idle ones left out)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _zero_confirmed(drain: Drain, reading: Reading, zero_confirm_s: float) -> bo
 
 def needs_connections(drain: Drain, reading: Reading, *, zero_confirm_s: float) -> bool:
     """Whether this reading needs the connection count: for the stall rule when nothing else has moved, and
-    once a zero is confirmed, so a drain counts connections about once unless a client lingers."""
+    once a zero is confirmed, so a drain looks at connections about once unless one holds."""
     previous = drain.last
     still = (
         previous is not None
