@@ -9,7 +9,7 @@ Targets, for 200 sidecars (about 25 eight-GPU nodes' worth):
   50 ms, where polling took up to its 0.5 s interval;
 - draining under 0.5 cores: 2.5 millicores a sidecar, a quarter of its CPU request in the manifests (10m), so that
   a drain never waits on a busy node's CPU;
-- a count of the engine's connections under 25 ms of CPU. The kernel walks its whole TCP table for it, so the sidecar
+- a look at the engine's connections under 25 ms of CPU. The kernel walks its whole TCP table for it, so the sidecar
   counts only while a drain sees no progress (in-flight and tokens still, for at most ``--stall-after``): at one
   count per 0.5 s poll that is at most 5 % of a core for those seconds;
 - resident memory under 200 times the sidecar's memory request in the manifests (48Mi), since each pod has its own;
