@@ -95,9 +95,10 @@ async def test_the_preStop_holds_while_real_streams_run_and_returns_soon_after_t
         await aiohttp_stream(pooled, url, 4)  # leaves a connection in each pool
         await httpx_stream(other, url, 4)
         streams = [
-            asyncio.create_task(aiohttp_stream(pooled, url, 300)),
-            asyncio.create_task(aiohttp_stream(pooled, url, 600)),
-            asyncio.create_task(httpx_stream(other, url, 450)),
+            # Long enough to outlast the look below at the tiny model's fastest (about 350 tokens/s alone here).
+            asyncio.create_task(aiohttp_stream(pooled, url, 1500)),
+            asyncio.create_task(aiohttp_stream(pooled, url, 1900)),
+            asyncio.create_task(httpx_stream(other, url, 1700)),
         ]
         await until(lambda: len(dump(vllm_servers[0].port, timeout_s=1)) >= 2, timeout_s=5)
         await asyncio.sleep(0.5)
