@@ -24,11 +24,19 @@ class EngineConfig:
     max_model_len: int = 32768
     fault: str | None = None  # one of FAULTS: how each stream fails once it has sent ``fault_after`` tokens
     fault_after: int = 0
+    # Tokens that end inside a multi-byte character stream as empty text, as on a byte-level tokenizer (see tokens).
+    partial_utf8: bool = True
+    # What becomes of ``return_token_ids``: one of TOKEN_IDS.
+    token_ids: str = "returned"
 
 
 # drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
 # bytes, connection open; garbage: bytes that are not SSE, with the 200; unavailable: a 503 before any stream.
 FAULTS = ("drop", "abort", "error", "hang", "garbage", "unavailable")
+# returned: vLLM 0.32.0's ``token_ids`` and ``prompt_token_ids``; ignored: an engine without the field (vLLM logs
+# unknown fields and goes on, so its older releases answer without ids); refused: an OpenAI-compatible server that
+# answers an unknown field with a 400 naming it.
+TOKEN_IDS = ("returned", "ignored", "refused")
 
 
 def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[argparse.Namespace, EngineConfig]:
@@ -44,6 +52,10 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
     parser.add_argument("--linger", type=float, default=0.0, help="seconds a stream stays open after its gauge drops")
     parser.add_argument("--fault", choices=FAULTS, help="fail every stream this way (see FAULTS)")
     parser.add_argument("--fault-after", type=int, default=0, help="tokens a stream sends before its fault")
+    parser.add_argument("--token-ids", choices=TOKEN_IDS, default="returned", help="what return_token_ids does")
+    parser.add_argument(
+        "--no-partial-utf8", action="store_true", help="generate whole characters only (text round-trips as ids)"
+    )
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -55,5 +67,7 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
         linger_s=args.linger,
         fault=args.fault,
         fault_after=args.fault_after,
+        partial_utf8=not args.no_partial_utf8,
+        token_ids=args.token_ids,
     )
     return args, config
