@@ -93,9 +93,7 @@ def text_of_events(events: list[Any]) -> str:
 
 
 def ids_of_events(events: list[Any]) -> list[int]:
-    return [
-        i for e in events if isinstance(e, dict) for c in e.get("choices", ()) for i in (c.get("token_ids") or ())
-    ]
+    return [i for e in events if isinstance(e, dict) for c in e.get("choices", ()) for i in (c.get("token_ids") or ())]
 
 
 @settings(max_examples=200, deadline=None)
