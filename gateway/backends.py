@@ -34,7 +34,7 @@ class Backend:
     picked: int = 0  # when it was last picked, to spread ties
     token_ids: bool = True  # takes ``return_token_ids`` (False once it refused the field)
     context_len: int | None = None  # its model's context (``max_model_len``), once asked
-    refusing: bool = False  # a stall probe found it refusing new connections (until its ready URL answers 200)
+    refusing: bool = False  # a stall probe found it refusing new connections (until it answers a request again)
 
 
 class Mover:
@@ -143,8 +143,6 @@ class Pool:
             self._publish()
 
     def set_ready(self, backend: Backend, ready: bool) -> None:
-        if ready:
-            backend.refusing = False
         if backend.ready != ready:
             backend.ready = ready
             log.info("backend.ready" if ready else "backend.unready", backend=backend.url, cause="health")

@@ -154,6 +154,7 @@ async def relay(
     backend.open_streams += 1
     try:
         async with session.post(backend.url + path, data=body, headers=headers, timeout=timeout) as response:
+            backend.refusing = False
             mover.attach(response)
             if response.status >= 500:
                 return Broken("server_error", f"HTTP {response.status}")

@@ -66,7 +66,7 @@ async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float
         if await refuses_connections(url, timeout_s=probe_timeout_s):
             backend = next((b for b in pool.backends if b.url == url), None)
             if backend is not None and not backend.refusing:
-                backend.refusing = True
+                backend.refusing = True  # its later stalls move at once
                 log.warning("backend.refusing", backend=url)
             _move(url, stalled(pool.holding.get(url, ()), time.monotonic()))
 

@@ -254,5 +254,3 @@ def test_a_backend_is_going_away_when_leaving_out_of_rotation_gone_or_refusing()
     assert pool.going_away("http://gone:8000")
     pool.set_leaving({a.url: datetime(2030, 1, 1, tzinfo=UTC)})
     assert pool.going_away(a.url)
-    pool.set_ready(c, True)  # its ready URL answers 200 again
-    assert not c.refusing
