@@ -34,10 +34,26 @@ def refuses_ids(status: int, body: bytes) -> bool:
 
 
 def hide(data: bytes) -> bytes:
-    """A chunk's bytes with its token id lists replaced by ``null``; the same bytes when it has none (one scan)."""
-    if b'token_ids"' not in data:
-        return data
-    return _IDS.sub(_NULLED, data)
+    """A chunk's bytes with its token id lists replaced by ``null``; the same bytes when it has none.
+
+    vLLM writes ``"token_ids":[...]`` with no spaces: that is cut out with a find or two per chunk (a regular
+    expression costs several times more, on every chunk of every stream); other spacing goes through the expression.
+    """
+    start = data.find(b'_ids":[')
+    if start < 0:
+        return _IDS.sub(_NULLED, data) if b'_ids": [' in data else data
+    out: list[bytes] = []
+    done = 0
+    while start >= 0:
+        end = data.find(b"]", start)
+        if end < 0:
+            return data  # not JSON: the splicer says so
+        if data[start - 6 : start] == b'"token' or data[start - 13 : start] == b'"prompt_token':
+            out += (data[done : start + 6], b"null")
+            done = end + 1
+        start = data.find(b'_ids":[', end)
+    out.append(data[done:])
+    return b"".join(out)
 
 
 def hide_in(chunk: dict[str, Any]) -> None:

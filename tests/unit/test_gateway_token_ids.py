@@ -62,6 +62,8 @@ def test_hidden_ids_leave_exactly_the_chunk_vllm_sends_a_client_that_did_not_ask
     assert hide(FIRST) == FIRST_WITHOUT_IDS
     assert hide(FIRST_WITHOUT_IDS) is FIRST_WITHOUT_IDS  # nothing to hide: the same bytes, not a copy
     assert json.loads(hide(CHAT_ROLE))["prompt_token_ids"] is None
+    other = b'{"choices":[{"index":0,"text":"","stop_token_ids":[2],"token_ids":[7]}]}'
+    assert hide(other) == b'{"choices":[{"index":0,"text":"","stop_token_ids":[2],"token_ids":null}]}'
 
 
 @given(
