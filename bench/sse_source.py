@@ -2,7 +2,9 @@
 
 ``CLOCK_MONOTONIC`` is one clock for every process on the machine, so a client in another process can tell how long
 each chunk took to reach it, directly or through the gateway. ``python -m bench.sse_source --port P --interval S``:
-``max_tokens`` chunks per request, ``S`` seconds apart (0: as fast as the socket takes them).
+``max_tokens`` chunks per request, ``S`` seconds apart (0: as fast as the socket takes them). Like vLLM 0.32.0, each
+chunk carries ``prompt_token_ids`` and ``token_ids``, lists with ``return_token_ids`` (which the gateway asks for)
+and null without; ``--ignore-token-ids`` answers as an engine without the field.
 """
 
 from __future__ import annotations
@@ -14,28 +16,34 @@ import time
 
 from aiohttp import web
 
+PROMPT_IDS = [564, 489, 503, 17, 2048]
 
-def chunk(index: int, *, last: bool) -> bytes:
+
+def chunk(index: int, *, last: bool, ids: bool) -> bytes:
     choice = {
         "index": 0,
         "text": f" {time.monotonic_ns()}",
         "logprobs": None,
         "finish_reason": "length" if last else None,
         "stop_reason": None,
+        "prompt_token_ids": PROMPT_IDS if ids and index == 0 else None,
+        "token_ids": [100 + index % 2900] if ids else None,
     }
     payload = {"id": "cmpl-bench", "object": "text_completion", "created": 1, "model": "bench", "choices": [choice]}
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def app(interval_s: float) -> web.Application:
+def app(interval_s: float, *, token_ids: bool = True) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
-        count = int((await request.json()).get("max_tokens", 16))
+        body = await request.json()
+        count = int(body.get("max_tokens", 16))
+        ids = token_ids and body.get("return_token_ids") is True
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for index in range(count):
             if interval_s:
                 await asyncio.sleep(interval_s)
-            await response.write(chunk(index, last=index == count - 1))
+            await response.write(chunk(index, last=index == count - 1, ids=ids))
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -52,8 +60,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--interval", type=float, default=0.02)
+    parser.add_argument("--ignore-token-ids", action="store_true", help="answer as an engine without the field")
     args = parser.parse_args()
-    web.run_app(app(args.interval), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    application = app(args.interval, token_ids=not args.ignore_token_ids)
+    web.run_app(application, host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

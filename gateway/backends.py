@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ log = structlog.get_logger()
 # A backend that failed this way is taken out of rotation until its health check passes again; a 5xx, an error
 # event or an abort says the request failed, not that the backend is gone, and so does a reset: behind one URL (a
 # Service) another pod may answer the continuation, and a backend that is really gone refuses the next connection.
-GONE_CAUSES = frozenset({"unavailable", "timeout"})
+GONE_CAUSES = frozenset({"unavailable", "timeout", "stalled"})
 
 
 @dataclass
@@ -30,24 +32,46 @@ class Backend:
     ready: bool = True
     open_streams: int = 0
     picked: int = 0  # when it was last picked, to spread ties
+    token_ids: bool = True  # takes ``return_token_ids`` (False once it refused the field)
+    context_len: int | None = None  # its model's context (``max_model_len``), once asked
+    refusing: bool = False  # a stall probe found it refusing new connections (until it answers a request again)
 
 
 class Mover:
-    """One stream's hold on its backend's response, so the gateway can move the stream before the node goes."""
+    """One stream's hold on its backend's response, so the gateway can move the stream elsewhere: before the node
+    goes (cause ``proactive``), or when it stalls on a backend that is going away (``stalled``)."""
 
     def __init__(self) -> None:
         self.moved = False
+        self.cause = "proactive"
+        self.heard_at: float | None = None  # monotonic time of the backend's last bytes (None: no response yet)
+        self.gap_s: float | None = None  # the backend's usual gap between reads, a moving average
         self._response: aiohttp.ClientResponse | None = None
 
     def attach(self, response: aiohttp.ClientResponse | None) -> None:
         self._response = response
+        self.heard_at = None if response is None else time.monotonic()
+        if response is not None and self.moved:
+            response.close()
 
-    def move(self) -> None:
-        """End the backend's answer now; the stream continues elsewhere with cause ``proactive``."""
+    def heard(self, now: float) -> None:
+        """The backend sent bytes at ``now``."""
+        if self.heard_at is not None:
+            gap = min(now - self.heard_at, GAP_SAMPLE_MAX_S)
+            self.gap_s = gap if self.gap_s is None else self.gap_s + (gap - self.gap_s) / 8
+        self.heard_at = now
+
+    def move(self, cause: str = "proactive") -> None:
+        """End the backend's answer now; the stream continues elsewhere with ``cause``."""
         if not self.moved:
             self.moved = True
+            self.cause = cause
             if self._response is not None:
                 self._response.close()
+
+
+# A prefill can hold a stream's second read back a while: one slow read must not make the usual gap long.
+GAP_SAMPLE_MAX_S = 2.0
 
 
 class Pool:
@@ -124,6 +148,15 @@ class Pool:
             log.info("backend.ready" if ready else "backend.unready", backend=backend.url, cause="health")
             self._publish()
 
+    def going_away(self, url: str) -> bool:
+        """Whether the backend at ``url`` is leaving: its node's termination time is set, it is out of rotation (its
+        endpoint not ready or terminating, its ready URL failing) or gone from the Service, or it refused a
+        connection."""
+        if url in self.leaving:
+            return True
+        backend = next((b for b in self.backends if b.url == url), None)
+        return backend is None or not backend.ready or backend.refusing
+
     def any_ready(self) -> bool:
         return any(b.ready for b in self.backends)
 
@@ -154,3 +187,22 @@ async def health_checker(session: aiohttp.ClientSession, pool: Pool, *, interval
     while True:
         await asyncio.gather(*(check(b) for b in pool.backends))
         await asyncio.sleep(interval_s)
+
+
+async def context_length(
+    session: aiohttp.ClientSession, backend: Backend, *, model: object, timeout_s: float
+) -> int | None:
+    """The backend's ``max_model_len`` for ``model`` (vLLM's ``/v1/models``), asked once and kept; None if unknown."""
+    if backend.context_len is not None:
+        return backend.context_len
+    try:
+        async with session.get(backend.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as answer:
+            cards = json.loads(await answer.read()).get("data") if answer.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+        return None
+    cards = [c for c in cards if isinstance(c, dict)] if isinstance(cards, list) else []
+    card = next((c for c in cards if c.get("id") == model), cards[0] if cards else None)
+    length = card.get("max_model_len") if card is not None else None
+    if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+        backend.context_len = length
+    return backend.context_len

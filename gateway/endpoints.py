@@ -53,7 +53,9 @@ def _endpoints(slices: list[Any], port: str | None) -> Iterator[tuple[str, bool,
             addresses = [a for a in endpoint.get("addresses") or () if isinstance(a, str)]
             if addresses:
                 host = f"[{addresses[0]}]" if ipv6 else addresses[0]
-                ready = (endpoint.get("conditions") or {}).get("ready") is not False
+                conditions = endpoint.get("conditions") or {}
+                # A terminating endpoint is not ready (its pod is going away), whatever an older API server says.
+                ready = conditions.get("ready") is not False and conditions.get("terminating") is not True
                 node = endpoint.get("nodeName")
                 yield f"http://{host}:{number}", ready, node if isinstance(node, str) else None
 

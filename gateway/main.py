@@ -17,6 +17,7 @@ from gateway.endpoints import endpoint_follower, migrator
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import api_app
 from gateway.settings import GatewaySettings, from_arguments
+from gateway.stalls import PROBE_TIMEOUT_S, STALL_CHECK_S, stall_watcher
 from gateway.streaming import Gateway
 from gateway.watch import WatchTimeouts
 from spotdrain.kube_rest import InCluster
@@ -74,6 +75,8 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
                 ),
             ),
         ]
+        probe_timeout_s = min(settings.timeouts.connect_s, PROBE_TIMEOUT_S)
+        roles.append(("stall_watcher", stall_watcher(pool, interval_s=STALL_CHECK_S, probe_timeout_s=probe_timeout_s)))
         if settings.service is not None:
             roles.append(("endpoint_follower", _follower(session, pool, settings)))
             interval = settings.timeouts.health_interval_s

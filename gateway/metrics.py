@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.continuation import REASONS
+from gateway.continuation import METHODS, REASONS
 from gateway.splice import CAUSES
 from spotdrain.metrics import CollectorRegistry, Counter, Gauge, Histogram, zeroed
 
@@ -18,6 +18,7 @@ GAP_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 class GatewayMetrics:
     requests: Counter
     continuations: Counter
+    continuation_methods: Counter
     cuts: Counter
     splice_gap: Histogram
     open_streams: Gauge
@@ -32,6 +33,12 @@ class GatewayMetrics:
                 "spotdrain_gateway_continuations",
                 "Requests re-issued to another backend, by what ended the previous backend's answer",
                 ["cause"],
+                registry=registry,
+            ),
+            continuation_methods=Counter(
+                "spotdrain_gateway_continuation_methods",
+                "Continuations by how they went on: token_ids (exact), text (a backend without token ids), restart",
+                ["method"],
                 registry=registry,
             ),
             cuts=Counter(
@@ -57,6 +64,7 @@ class GatewayMetrics:
         )
         zeroed(metrics.requests, "outcome", OUTCOMES)
         zeroed(metrics.continuations, "cause", CAUSES)
+        zeroed(metrics.continuation_methods, "method", METHODS)
         zeroed(metrics.cuts, "reason", REASONS)
         zeroed(metrics.backend_errors, "kind", CAUSES)
         return metrics

@@ -64,7 +64,8 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class Rejected:
-    """The backend refused the request before streaming (a 4xx): the client gets that answer as it is."""
+    """The backend refused the request before streaming (a 4xx): before the client's stream started, the client gets
+    that answer as it is."""
 
     status: int
     headers: CIMultiDict[str]
@@ -153,19 +154,18 @@ async def relay(
     backend.open_streams += 1
     try:
         async with session.post(backend.url + path, data=body, headers=headers, timeout=timeout) as response:
+            backend.refusing = False
             mover.attach(response)
             if response.status >= 500:
                 return Broken("server_error", f"HTTP {response.status}")
-            if response.status != 200:
-                if client.started:
-                    return Broken("server_error", f"HTTP {response.status} for a continuation")
+            if response.status != 200:  # the caller tells a refused field, and a refused continuation, from the rest
                 return Rejected(response.status, forwarded(response.headers), await response.read())
             if not response.headers.get("Content-Type", "").startswith("text/event-stream"):
                 return Broken("garbage", f"Content-Type {response.headers.get('Content-Type')!r}")
             await client.start(response.headers)
             if comment:
                 await client.write(comment, content=False)
-            return await _events(response, splicer, client)
+            return await _events(response, splicer, client, mover)
     except (ClientGone, asyncio.CancelledError):
         raise
     except TimeoutError:
@@ -179,9 +179,10 @@ async def relay(
         backend.open_streams -= 1
 
 
-async def _events(response: aiohttp.ClientResponse, splicer: Splicer, client: ClientStream) -> End:
+async def _events(response: aiohttp.ClientResponse, splicer: Splicer, client: ClientStream, mover: Mover) -> End:
     parser = SseParser()
     async for block in response.content.iter_any():
+        mover.heard(time.monotonic())
         try:
             events = parser.feed(block)
         except EventTooLarge as error:

@@ -1,10 +1,17 @@
 """One client stream out of the streams of one or more backends: pure bookkeeping, no I/O.
 
 The splicer reads each backend event once and decides what the client gets: the first backend's chunks as they
-came (bytes untouched), a continuation's chunks rewritten to the first backend's ``id``, ``created`` and ``model``,
-one chat role delta, exactly one ``finish_reason``, and, at the end, one usage chunk and one ``data: [DONE]`` that
-the gateway writes itself. It also keeps what a continuation needs: the text so far, the token count, the token ids
-where the backend returned them (vLLM's ``return_token_ids``) and whether a tool call has started.
+came (bytes untouched, but for the token ids the gateway asked for itself, nulled), a continuation's chunks rewritten
+to the first backend's ``id``, ``created`` and ``model`` (and to the chat's shape when a chat continues on
+``/v1/completions``), one chat role delta, exactly one ``finish_reason``, and, at the end, one usage chunk and one
+``data: [DONE]`` that the gateway writes itself. It also keeps what a continuation needs: the text so far, the token
+count, the token ids where the backend returned them (vLLM's ``return_token_ids``) and whether a tool call has
+started.
+
+Every id is a token, empty text or not: vLLM streams a token that ends inside a multi-byte character as a chunk with
+empty text, and the character comes with a later token. A continuation by ids starts after the last token that
+brought text (a prompt that ends inside a character makes vLLM echo the whole decoded prompt); greedy decoding
+generates the dropped tokens again, and the client, which already had their chunks, does not get them twice.
 """
 
 from __future__ import annotations
@@ -14,10 +21,14 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.reshape import as_chat
+from gateway.token_ids import hide, hide_in
+
 DONE = b"data: [DONE]\n\n"
 # Why a backend stream ended abnormally; each is a reason to continue elsewhere and a metric label.
-# "proactive": the gateway itself moved the stream off a backend whose node is about to be reclaimed.
-CAUSES = ("reset", "timeout", "server_error", "error_event", "abort", "garbage", "unavailable", "proactive")
+# "proactive": the gateway itself moved the stream off a backend whose node is about to be reclaimed; "stalled": off
+# a backend going away, on which the stream had gone silent.
+CAUSES = ("reset", "timeout", "server_error", "error_event", "abort", "garbage", "unavailable", "proactive", "stalled")
 
 
 @dataclass(frozen=True)
@@ -53,13 +64,19 @@ def error_event(message: str, *, code: int = 503, kind: str = "ServiceUnavailabl
 class Splicer:
     chat: bool
     include_usage: bool
+    hide_ids: bool = False  # the client did not ask for token ids: the gateway did, for itself
+    top_logprobs: int = 0  # a chat's, for its chunks continued on /v1/completions
     identity: dict[str, Any] | None = None  # id, created, model of the first chunk ever
     segment: int = 0  # 0 for the first backend, then one per continuation
+    source_chat: bool | None = None  # the current backend's shape (None: the client's)
+    continuing: bool = False  # the current backend answers a continuation (else the client's own request)
     # Compact on purpose: a long stream holds its whole text and ids (UTF-8 bytes, 8-byte ids), not an object each.
     text: bytearray = field(default_factory=bytearray)
     tokens: int = 0
     token_ids: array[int] | None = field(default_factory=lambda: array("q"))  # None once a token came without its id
     prompt_token_ids: list[int] | None = None
+    text_ids: int = 0  # ids up to the end of the last chunk that brought text
+    shown: int = 0  # tokens the client has had a chunk for (more than ``tokens`` after a rewind)
     role_sent: bool = False
     finish_reason: str | None = None
     tool_call: bool = False
@@ -77,9 +94,21 @@ class Splicer:
     def text_so_far(self) -> str:
         return self.text.decode(errors="surrogatepass")
 
-    def next_segment(self) -> None:
-        """A continuation starts: what it reports about usage is relative to the tokens sent before it."""
+    @property
+    def from_chat(self) -> bool:
+        return self.chat if self.source_chat is None else self.source_chat
+
+    def next_segment(self, *, rewind: bool = False, source_chat: bool | None = None) -> None:
+        """A continuation starts: what it reports about usage is relative to the tokens sent before it.
+
+        ``rewind``: it continues by ids from the last token that brought text; ``source_chat``: its shape.
+        """
+        self.continuing = self.tokens > 0  # else nothing generated reached the client: its request starts over
+        if rewind and self.token_ids is not None:
+            del self.token_ids[self.text_ids :]
+            self.tokens = self.text_ids
         self.segment += 1
+        self.source_chat = source_chat
         self.tokens_before_segment = self.tokens
         self.backend_usage = self.raw_usage = None
 
@@ -122,31 +151,42 @@ class Splicer:
         if piece is None:
             return Step(end=Broken("garbage", "a choice without text"))
         finish = choice.get("finish_reason")
-        ids = choice.get("token_ids")
         self._note_prompt_ids(chunk, choice)
-        if isinstance(ids, list):
-            count = len(ids)
-            if self.token_ids is not None:
-                self.token_ids.extend(i for i in ids if isinstance(i, int) and -(2**63) <= i < 2**63)
-        else:
-            count = 1 if piece else 0
-            if piece:
-                self.token_ids = None
+        repeated = self._count(choice.get("token_ids"), piece)
         self.text += piece.encode(errors="surrogatepass")  # JSON may carry lone surrogates
-        self.tokens += count
         if finish in ("abort", "error"):  # vLLM aborted the request (shutdown) or failed it: continue elsewhere
             choice["finish_reason"] = None
             out = self._relay(chunk, b"") if piece else b""
             return Step(out=out, end=Broken("abort" if finish == "abort" else "error_event", f"finish_reason {finish}"))
         if finish is not None:
             self.finish_reason = str(finish)
-        if dropped:
-            return Step()
+        if dropped or (repeated and not piece and finish is None and not choice["token_ids"][repeated:]):
+            return Step()  # the client had this chunk already
+        if repeated:
+            choice["token_ids"] = choice["token_ids"][repeated:]
         return Step(out=self._relay(chunk, data))
+
+    def _count(self, ids: Any, piece: str) -> int:
+        """Count the chunk's tokens; how many of its first ids the client already had a chunk for."""
+        if not isinstance(ids, list):  # one token per chunk with text: the best guess without ids
+            if piece:
+                self.tokens += 1
+                self.token_ids = None
+            self.shown = max(self.shown, self.tokens)
+            return 0
+        start = self.tokens
+        self.tokens += len(ids)
+        if self.token_ids is not None:
+            self.token_ids.extend(i for i in ids if isinstance(i, int) and -(2**63) <= i < 2**63)
+        if piece:
+            self.text_ids = self.tokens
+        repeated = min(len(ids), max(0, self.shown - start))
+        self.shown = max(self.shown, self.tokens)
+        return repeated
 
     def _piece(self, chunk: dict[str, Any], choice: dict[str, Any]) -> tuple[str | None, bool]:
         """The choice's new text, and whether the chunk is a repeated role delta the client must not see."""
-        if not self.chat:
+        if not self.from_chat:
             text = choice.get("text")
             return (text if isinstance(text, str) else None), False
         delta = choice.get("delta")
@@ -170,24 +210,29 @@ class Splicer:
         return content, False
 
     def _note_prompt_ids(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
-        if self.segment == 0 and self.prompt_token_ids is None:
+        if not self.continuing and self.prompt_token_ids is None:
             ids = choice.get("prompt_token_ids", chunk.get("prompt_token_ids"))
             if isinstance(ids, list):
                 self.prompt_token_ids = [i for i in ids if isinstance(i, int)]
 
     def _relay(self, chunk: dict[str, Any], data: bytes) -> bytes:
         if self.segment == 0 and data:
-            return b"data: " + data + b"\n\n"
+            return b"data: " + (hide(data) if self.hide_ids else data) + b"\n\n"
         assert self.identity is not None
+        if self.chat and not self.from_chat:
+            chunk = as_chat(chunk, top_logprobs=self.top_logprobs)
         chunk.update(self.identity)
         usage = chunk.get("usage")
         if isinstance(usage, dict) and self.tokens_before_segment:  # continuous_usage_stats, relative to this backend
             chunk["usage"] = self._whole_usage(usage)
-        if "prompt_token_ids" in chunk:
-            chunk["prompt_token_ids"] = None  # a continuation's prompt is not the client's
-        for choice in chunk.get("choices", ()):
-            if isinstance(choice, dict) and choice.get("prompt_token_ids") is not None:
-                choice["prompt_token_ids"] = None
+        if self.continuing:  # its prompt is not the client's
+            if "prompt_token_ids" in chunk:
+                chunk["prompt_token_ids"] = None
+            for choice in chunk.get("choices", ()):
+                if isinstance(choice, dict) and choice.get("prompt_token_ids") is not None:
+                    choice["prompt_token_ids"] = None
+        if self.hide_ids:
+            hide_in(chunk)
         return sse(chunk)
 
     def finish_chunk(self, reason: str) -> bytes:

@@ -18,12 +18,13 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.backends import Mover, Pool
-from gateway.continuation import continuation, refusal, remaining_tokens
+from gateway.backends import Backend, Mover, Pool, context_length
+from gateway.continuation import by_ids, continuation, refusal, refusal_at_start, remaining_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
 from gateway.settings import GatewaySettings
-from gateway.splice import Broken, Finished, Splicer, error_event
+from gateway.splice import Broken, End, Finished, Splicer, error_event
+from gateway.token_ids import FIELD, asked, refuses_ids, with_ids
 
 log = structlog.get_logger()
 
@@ -69,6 +70,15 @@ async def stream(
     return response
 
 
+@dataclass(frozen=True)
+class _Request:
+    path: str
+    raw: bytes
+    headers: CIMultiDict[str]
+    method: str  # a continuation's (one of METHODS), or "" for the client's own request
+    asks_ids: bool  # return_token_ids is in it
+
+
 class _Run:
     def __init__(
         self, gateway: Gateway, request: web.Request, *, path: str, body: dict[str, Any], chat: bool, splicer: Splicer
@@ -83,57 +93,93 @@ class _Run:
             request, write_timeout_s=gateway.settings.timeouts.read_s, on_gap=gateway.metrics.splice_gap.observe
         )
         self.continuations = 0
+        self.asked = asked(body)  # the client wants token ids; else the gateway asks for them and hides them
+        self.wants_ids = refusal_at_start(body, chat=chat) is None  # only a stream that may continue needs them
+        splicer.hide_ids = not self.asked
+        top = body.get("top_logprobs")
+        splicer.top_logprobs = top if isinstance(top, int) and not isinstance(top, bool) else 0
+        self.broken: tuple[str, Broken] | None = None  # the backend that failed last, and how
+        self.restart = False  # the break came before any generated token: the request starts over
 
     async def serve(self, original: bytes) -> tuple[web.StreamResponse, str]:
-        raw = original
-        headers = forwarded(self.headers)
         avoid: set[str] = set()
-        broken: tuple[str, Broken] | None = None  # the backend that failed last, and how
         comment = b""
         while True:
             backend = self.gateway.pool.pick(avoid=avoid)
             if backend is None:
-                return await self._cut("no_backend", broken)
-            if broken is not None:
-                self._continued(*broken, to=backend.url)
+                return await self._cut("no_backend", self.broken)
+            request = await self._request(backend, original)
+            if self.broken is not None:
+                self._continued(*self.broken, to=backend.url, method=request.method)
             if backend.url in avoid:  # the only one left already failed this request: give it time to recover
                 await asyncio.sleep(RETRY_PAUSES_S[min(self.continuations, len(RETRY_PAUSES_S)) - 1])
-            mover = Mover()
-            with self.gateway.pool.hold(backend, mover):
-                end = await relay(
-                    self.gateway.session,
-                    backend,
-                    path=self.path,
-                    body=raw,
-                    headers=headers,
-                    splicer=self.splicer,
-                    client=self.client,
-                    timeouts=self.gateway.settings.timeouts,
-                    mover=mover,
-                    comment=comment,
-                )
-            if mover.moved and isinstance(end, Broken):
-                end = Broken("proactive", "its node's termination time is near")
+            end = await self._send(backend, request, comment)
+            if isinstance(end, Rejected) and request.asks_ids and refuses_ids(end.status, end.body):
+                backend.token_ids = False  # it does not take the field: ask it without, now and from now on
+                log.info("backend.no_token_ids", backend=backend.url, status=end.status)
+                end = await self._send(backend, await self._request(backend, original), comment)
             if isinstance(end, Rejected):
-                return web.Response(status=end.status, body=end.body, headers=end.headers), "rejected"
+                if not self.client.started:
+                    return web.Response(status=end.status, body=end.body, headers=end.headers), "rejected"
+                end = Broken("server_error", f"HTTP {end.status} for a continuation")
             if isinstance(end, Finished) or self.splicer.finished:
                 return await self._finish()
             self.gateway.pool.failed(backend, end.cause)
             avoid.add(backend.url)
-            broken = (backend.url, end)
-            if (ended := await self._end_after_break(broken)) is not None:
+            self.broken = (backend.url, end)
+            if (ended := await self._end_after_break(self.broken)) is not None:
                 return ended
-            self.splicer.next_segment()
-            if self.splicer.tokens == 0:
-                # Nothing generated reached the client: the request itself starts over. (A continuation would ask
-                # to continue an empty assistant message, which a chat template renders as a closed turn.)
-                raw, headers = original, forwarded(self.headers)
-            else:
-                raw = json.dumps(continuation(self.body, self.splicer, chat=self.chat)).encode()
-                headers["Content-Type"] = "application/json"
+            self.splicer.next_segment(rewind=by_ids(self.body, self.splicer, chat=self.chat))
+            self.restart = not self.splicer.continuing
             comment = b""
             if self.gateway.settings.migration.mark_splices and self.client.started:
                 comment = b": spotdrain: continued after " + end.cause.encode() + b"\n\n"
+
+    async def _send(self, backend: Backend, request: _Request, comment: bytes) -> End | Rejected:
+        mover = Mover()
+        with self.gateway.pool.hold(backend, mover):
+            end = await relay(
+                self.gateway.session,
+                backend,
+                path=request.path,
+                body=request.raw,
+                headers=request.headers,
+                splicer=self.splicer,
+                client=self.client,
+                timeouts=self.gateway.settings.timeouts,
+                mover=mover,
+                comment=comment,
+            )
+        if mover.moved and isinstance(end, Broken):
+            detail = "its node's termination time is near" if mover.cause == "proactive" else "silent, going away"
+            end = Broken(mover.cause, detail)
+        return end
+
+    async def _request(self, backend: Backend, original: bytes) -> _Request:
+        """What to send ``backend``: the client's request (asking for token ids where it did not and the backend
+        takes them), or the continuation of what the client has."""
+        if self.broken is None or self.restart:
+            self.splicer.source_chat = None
+            method = "restart" if self.broken is not None else ""
+            headers = forwarded(self.headers)
+            if self.asked or not self.wants_ids or not backend.token_ids:
+                return _Request(self.path, original, headers, method, asks_ids=False)
+            return _Request(self.path, with_ids(self.body), headers, method, asks_ids=True)
+        context_len = None
+        if self.chat and remaining_tokens(self.body, self.splicer, chat=True) is None:
+            timeout_s = self.gateway.settings.timeouts.connect_s
+            context_len = await context_length(
+                self.gateway.session, backend, model=self.body.get("model"), timeout_s=timeout_s
+            )
+        plan = continuation(self.body, self.splicer, chat=self.chat, path=self.path, context_len=context_len)
+        self.splicer.source_chat = plan.chat
+        body = plan.body
+        body.pop(FIELD, None)
+        if backend.token_ids and (self.asked or plan.method == "token_ids"):
+            body[FIELD] = True
+        headers = forwarded(self.headers)
+        headers["Content-Type"] = "application/json"
+        return _Request(plan.path, json.dumps(body).encode(), headers, plan.method, asks_ids=FIELD in body)
 
     async def _end_after_break(self, broken: tuple[str, Broken]) -> tuple[web.StreamResponse, str] | None:
         """How the stream ends now that its backend broke, or None when it may continue."""
@@ -153,10 +199,11 @@ class _Run:
         max_tokens = self.gateway.settings.migration.max_tokens
         return refusal(self.body, self.splicer, chat=self.chat, max_tokens=max_tokens)
 
-    def _continued(self, backend: str, end: Broken, *, to: str) -> None:
+    def _continued(self, backend: str, end: Broken, *, to: str, method: str) -> None:
         """Count and log one continuation: one line each, with where the stream was and where it goes."""
         self.continuations += 1
         self.gateway.metrics.continuations.labels(cause=end.cause).inc()
+        self.gateway.metrics.continuation_methods.labels(method=method).inc()
         log.info(
             "gateway.continued",
             request=(self.splicer.identity or {}).get("id"),
@@ -164,7 +211,8 @@ class _Run:
             to=to,
             cause=end.cause,
             detail=end.detail,
-            tokens_sent=self.splicer.tokens,
+            method=method,
+            tokens_sent=self.splicer.shown,
             continuation=self.continuations,
         )
 

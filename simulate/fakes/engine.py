@@ -22,7 +22,7 @@ from simulate.fakes.engine_config import parse_flags
 from simulate.fakes.engine_metrics import VllmMetrics
 from simulate.fakes.engine_shutdown import ERROR_EVENT, Shutdown, client_gone, refused
 from simulate.fakes.openai_format import DONE, InvalidRequest, Job, Stream, error_body, read_job
-from simulate.fakes.tokens import Context, text_of
+from simulate.fakes.tokens import Context, Detokenizer
 
 log = structlog.get_logger()
 
@@ -72,7 +72,7 @@ class FakeEngine:
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
-            job = read_job(body, chat=chat, max_model_len=self.config.max_model_len)
+            job = read_job(body, chat=chat, max_model_len=self.config.max_model_len, token_ids=self.config.token_ids)
         except InvalidRequest as error:
             return web.json_response(error_body(str(error), kind=error.kind, param=error.param), status=400)
         except ValueError as error:  # a body that is not JSON
@@ -116,7 +116,8 @@ class FakeEngine:
         text (vLLM's default ``include_stop_str_in_output: false``); the token that completed it is still counted
         and returned among the ids, as vLLM 0.32.0 does (measured)."""
         labels = self.labels(engine)
-        context = Context(job.prompt_ids)
+        context = Context(job.prompt_ids, partial_utf8=self.config.partial_utf8)
+        detokenizer = Detokenizer(job.prompt_ids)
         self.metrics.prompt_tokens.labels(**labels).inc(max(1, len(job.prompt_ids)))
         last = time.monotonic()
         generated = 0
@@ -133,7 +134,7 @@ class FakeEngine:
                 self.kv_tokens[engine] += 1
                 self.metrics.generation_tokens.labels(**labels).inc()
                 self._publish(engine)
-                piece = text_of([token])
+                piece = detokenizer.step(token)
                 found = _first_stop(text, piece, job.stop)
                 if found is not None:
                     at, stop = found

@@ -30,11 +30,19 @@ class EngineConfig:
     # --shutdown-timeout: seconds it goes on serving them first (0, its default: none).
     sigterm_ending: str = "abort"
     shutdown_timeout_s: float = 0.0
+    # Tokens that end inside a multi-byte character stream as empty text, as on a byte-level tokenizer (see tokens).
+    partial_utf8: bool = True
+    # What becomes of ``return_token_ids``: one of TOKEN_IDS.
+    token_ids: str = "returned"
 
 
 # drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
 # bytes, connection open; garbage: bytes that are not SSE, with the 200; unavailable: a 503 before any stream.
 FAULTS = ("drop", "abort", "error", "hang", "garbage", "unavailable")
+# returned: vLLM 0.32.0's ``token_ids`` and ``prompt_token_ids``; ignored: an engine without the field (vLLM logs
+# unknown fields and goes on, so its older releases answer without ids); refused: an OpenAI-compatible server that
+# answers an unknown field with a 400 naming it.
+TOKEN_IDS = ("returned", "ignored", "refused")
 
 
 def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[argparse.Namespace, EngineConfig]:
@@ -52,6 +60,10 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
     parser.add_argument("--fault-after", type=int, default=0, help="tokens a stream sends before its fault")
     parser.add_argument("--sigterm-ending", choices=ENDINGS, default="abort", help="how SIGTERM ends open streams")
     parser.add_argument("--shutdown-timeout", type=float, default=0.0, help="vLLM's --shutdown-timeout, seconds")
+    parser.add_argument("--token-ids", choices=TOKEN_IDS, default="returned", help="what return_token_ids does")
+    parser.add_argument(
+        "--no-partial-utf8", action="store_true", help="generate whole characters only (text round-trips as ids)"
+    )
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -65,5 +77,7 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
         fault_after=args.fault_after,
         sigterm_ending=args.sigterm_ending,
         shutdown_timeout_s=args.shutdown_timeout,
+        partial_utf8=not args.no_partial_utf8,
+        token_ids=args.token_ids,
     )
     return args, config

@@ -188,14 +188,17 @@ def _prompt_ids(body: dict[str, Any], *, chat: bool) -> tuple[list[int], str]:
     raise _wrong_type("prompt", "a valid string or a valid list (one prompt)")
 
 
-def read_job(body: Any, *, chat: bool, max_model_len: int) -> Job:
-    """The generation a body asks for; raises InvalidRequest where vLLM answers 400.
+def read_job(body: Any, *, chat: bool, max_model_len: int, token_ids: str = "returned") -> Job:
+    """The generation a body asks for; raises InvalidRequest where vLLM answers 400 (and, with ``token_ids``
+    "refused", where a server that forbids unknown fields refuses ``return_token_ids``).
 
     Defaults follow vLLM: completions ``max_tokens`` 16; chat ``max_completion_tokens`` (else ``max_tokens``), else
     what is left of the model's context.
     """
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
+    if token_ids == "refused" and "return_token_ids" in body:
+        raise InvalidRequest("return_token_ids: extra inputs are not permitted", param="return_token_ids")
     prompt_ids, role = _prompt_ids(body, chat=chat)
     room = max(0, max_model_len - len(prompt_ids))
     limit = body.get("max_completion_tokens") if chat else None
@@ -223,7 +226,7 @@ def read_job(body: Any, *, chat: bool, max_model_len: int) -> Job:
         stop=_stop(body),
         stream=bool(body.get("stream", False)),
         include_usage=bool(options.get("include_usage", False)) and bool(body.get("stream", False)),
-        token_ids=bool(body.get("return_token_ids", False)),
+        token_ids=token_ids == "returned" and bool(body.get("return_token_ids", False)),
         role=role,
     )
 

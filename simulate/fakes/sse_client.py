@@ -62,11 +62,18 @@ def _line(streamed: Streamed, line: str) -> None:
 
 
 async def read_stream(
-    url: str, body: dict[str, Any], *, session: aiohttp.ClientSession, headers: dict[str, str] | None = None
+    url: str,
+    body: dict[str, Any],
+    *,
+    session: aiohttp.ClientSession,
+    headers: dict[str, str] | None = None,
+    into: Streamed | None = None,
 ) -> Streamed:
-    """POST ``body`` with ``stream: true`` and read the answer to its end (or to the cut)."""
+    """POST ``body`` with ``stream: true`` and read the answer to its end (or to the cut); ``into`` is filled as
+    the answer arrives, for a caller that watches a stream's progress."""
     async with session.post(url, json={**body, "stream": True}, headers=headers) as response:
-        streamed = Streamed(response.status)
+        streamed = into if into is not None else Streamed(0)
+        streamed.status = response.status
         if response.status != 200 or not response.content_type.startswith("text/event-stream"):
             streamed.body = await response.read()
             return streamed

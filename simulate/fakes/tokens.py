@@ -1,11 +1,14 @@
 """The fake engine's language model: a tokenizer, a chat template and a next token that depends only on the context.
 
 Determinism by context is what lets the gateway's tests compare a spliced stream with an uninterrupted one: a
-continuation sent as prompt + text so far (or as token ids) holds the same context, so it yields the same next tokens.
-Greedy decoding on a real engine behaves the same way, up to the re-tokenisation of the text so far.
+continuation sent as prompt + token ids so far holds the same context, so it yields the same next tokens. Greedy
+decoding on a real engine behaves the same way.
 
-The tokenizer is concatenation-stable for what the engine generates: every generated token is a space and a word, so
-``tokenize(a + generated) == tokenize(a) + generated_ids`` for any text ``a``.
+Tokens are byte strings, as a byte-level BPE's are. Most are a space and a word; a few hold part of a multi-byte
+character, so a token's text can be an incomplete UTF-8 character that only a later token completes, as on a real
+tokenizer. With those left out (``partial_utf8=False``) the tokenizer is concatenation-stable for what the engine
+generates, ``tokenize(a + generated) == tokenize(a) + generated_ids`` for any text ``a``, which is what continuing by
+text needs; with them, re-tokenising the text so far gives other ids, as it does on a real tokenizer.
 """
 
 from __future__ import annotations
@@ -23,13 +26,22 @@ WORDS = (
     "heron", "island", "jasper", "kelp", "lantern", "mesa", "nimbus", "orchid", "prairie", "quill", "reef", "summit",
     "tide", "upland", "vale", "wren", "yonder", "zenith",
 )
+# Multi-byte characters split across two tokens, each first half ending inside a character: " straße", " naïve",
+# " узел", " 流れ", " 🚀". Generated in any order, a first half not followed by its second gives U+FFFD, as the
+# tiny Llama's byte-level tokens do on vLLM 0.32.0 (measured: "�prompt", "��Ελλάδα").
+SPLIT = (
+    b" stra\xc3", b"\x9fe", b" na\xc3", b"\xafve", b" \xd1\x83\xd0", b"\xb7\xd0\xb5\xd0\xbb", b" \xe6\xb5",
+    b"\x81\xe3\x82\x8c", b" \xf0\x9f", b"\x9a\x80",
+)
 # fmt: on
-VOCAB = tuple(f" {word}" for word in WORDS)  # ids 0 .. len(VOCAB) - 1: the only tokens the engine generates
-_IDS = {text: index for index, text in enumerate(VOCAB)}
+WORD_PIECES = tuple(f" {word}".encode() for word in WORDS)
+VOCAB = WORD_PIECES + SPLIT  # ids 0 .. len(VOCAB) - 1: the only tokens the engine generates
+_IDS = {piece.decode(): index for index, piece in enumerate(WORD_PIECES)}
 # Prompt pieces outside the vocabulary get ids above it, from a hash, so any text has a stable id sequence.
 _PROMPT_ID_SPACE = 1 << 20
 _PIECE = re.compile(r" ?[^\s]+|\s")
 _MASK = (1 << 64) - 1
+_HELD = "\ufffd"
 
 
 def token_id(piece: str) -> int:
@@ -44,15 +56,44 @@ def tokenize(text: str) -> list[int]:
     return [token_id(piece) for piece in _PIECE.findall(text)]
 
 
+def bytes_of(ids: Iterable[int]) -> bytes:
+    """The bytes of generated ids (prompt ids outside the vocabulary have none and are skipped)."""
+    return b"".join(VOCAB[i] for i in ids if 0 <= i < len(VOCAB))
+
+
 def text_of(ids: Iterable[int]) -> str:
-    """The text of generated ids (prompt ids outside the vocabulary have no text and are skipped)."""
-    return "".join(VOCAB[i] for i in ids if 0 <= i < len(VOCAB))
+    """The text of generated ids, decoded as a whole (bytes that make no character become U+FFFD)."""
+    return bytes_of(ids).decode(errors="replace")
+
+
+class Detokenizer:
+    """The text each generated token adds, as vLLM streams it.
+
+    vLLM decodes incrementally (tokenizers' ``DecodeStream``, in vllm/v1/engine/detokenizer.py): while the decoded
+    bytes end in U+FFFD (an incomplete character) a token adds no text, and the next token that ends cleanly brings
+    all of it. It primes that decoder with the prompt, and a prompt that itself ends inside a character leaves it
+    nothing to stand on: the first text it streams is the whole decoded prompt and the new text (vLLM 0.32.0,
+    measured: prompt ids ending after an empty-text token, first chunk "the node drains*stream\ufffdprompt").
+    """
+
+    def __init__(self, prompt_ids: Iterable[int] = ()) -> None:
+        prompt = bytes_of(prompt_ids)
+        self.pending = prompt if prompt.decode(errors="replace").endswith(_HELD) else b""
+
+    def step(self, token: int) -> str:
+        self.pending += bytes_of([token])
+        text = self.pending.decode(errors="replace")
+        if text.endswith(_HELD):
+            return ""
+        self.pending = b""
+        return text
 
 
 class Context:
     """A rolling hash over every token so far; the next token is a function of it alone."""
 
-    def __init__(self, ids: Iterable[int] = ()) -> None:
+    def __init__(self, ids: Iterable[int] = (), *, partial_utf8: bool = True) -> None:
+        self.vocab = len(VOCAB) if partial_utf8 else len(WORD_PIECES)
         self.state = 0x9E3779B97F4A7C15
         self.length = 0
         for i in ids:
@@ -64,7 +105,7 @@ class Context:
 
     def next_token(self) -> int:
         mixed = (self.state ^ (self.state >> 29)) * 0xBF58476D1CE4E5B9 & _MASK
-        return (mixed ^ (mixed >> 32)) % len(VOCAB)
+        return (mixed ^ (mixed >> 32)) % self.vocab
 
 
 class ChatError(ValueError):

@@ -100,10 +100,15 @@ def chat_text(chunks: list[Any]) -> str:
 
 
 FAST = EngineConfig(tokens_per_s=2000)
+WORDS_ONLY = EngineConfig(tokens_per_s=2000, partial_utf8=False)  # a model whose text round-trips through its ids
+
+
+def ids_of(chunks: list[Any]) -> list[int]:
+    return [i for c in chunks if isinstance(c, dict) and c["choices"] for i in c["choices"][0]["token_ids"] or ()]
 
 
 async def test_a_completion_continued_from_prompt_and_text_so_far_yields_the_uninterrupted_tokens() -> None:
-    async with running_engine(FAST) as port:
+    async with running_engine(WORDS_ONLY) as port:
         whole = completion_text(await events(port, "/v1/completions", {"prompt": "tell me", "max_tokens": 30}))
         head = completion_text(await events(port, "/v1/completions", {"prompt": "tell me", "max_tokens": 12}))
         rest = await events(port, "/v1/completions", {"prompt": "tell me" + head, "max_tokens": 18})
@@ -111,21 +116,70 @@ async def test_a_completion_continued_from_prompt_and_text_so_far_yields_the_uni
         assert len(whole.split()) == 30
 
 
+async def test_text_so_far_does_not_continue_exactly_where_characters_span_tokens_as_on_vllm() -> None:
+    async with running_engine(FAST) as port:
+        whole = completion_text(await events(port, "/v1/completions", {"prompt": "tell me", "max_tokens": 30}))
+        head = completion_text(await events(port, "/v1/completions", {"prompt": "tell me", "max_tokens": 12}))
+        rest = await events(port, "/v1/completions", {"prompt": "tell me" + head, "max_tokens": 18})
+        assert "\ufffd" in head  # a first half generated without its second: U+FFFD, and other ids when tokenised
+        assert head + completion_text(rest) != whole
+
+
 async def test_a_completion_continued_from_token_ids_yields_the_uninterrupted_tokens() -> None:
     body = {"prompt": "tell me", "return_token_ids": True}
     async with running_engine(FAST) as port:
         whole = await events(port, "/v1/completions", {**body, "max_tokens": 20})
-        head = await events(port, "/v1/completions", {**body, "max_tokens": 8})
+        head = await events(port, "/v1/completions", {**body, "max_tokens": 7})
+        assert head[-2]["choices"][0]["text"] != ""  # (a head ending inside a character is the next test's)
         prompt_ids = head[0]["choices"][0]["prompt_token_ids"]
-        generated = [i for c in head[:-1] for i in c["choices"][0]["token_ids"]]
-        rest = await events(port, "/v1/completions", {"prompt": prompt_ids + generated, "max_tokens": 12})
+        rest = await events(port, "/v1/completions", {**body, "prompt": prompt_ids + ids_of(head), "max_tokens": 13})
         assert completion_text(head) + completion_text(rest) == completion_text(whole)
+        assert ids_of(head) + ids_of(rest) == ids_of(whole)
         assert head[1]["choices"][0]["prompt_token_ids"] is None  # prompt ids ride on the first chunk only
+
+
+async def test_token_ids_ending_inside_a_character_make_the_first_chunk_echo_the_prompt_as_vllm_does() -> None:
+    body = {"prompt": "tell me", "return_token_ids": True, "max_tokens": 40}
+    async with running_engine(FAST) as port:
+        whole = await events(port, "/v1/completions", body)
+        chunks = [c for c in whole if isinstance(c, dict) and c["choices"]]
+        cut = next(i for i, c in enumerate(chunks) if i and c["choices"][0]["text"] == "") + 1
+        sent = completion_text(chunks[:cut])
+        prompt_ids = chunks[0]["choices"][0]["prompt_token_ids"]
+        rest = await events(
+            port, "/v1/completions", {**body, "prompt": prompt_ids + ids_of(chunks[:cut]), "max_tokens": 4}
+        )
+        assert rest[0]["choices"][0]["text"].startswith(sent)  # the text the client already had, again
+        assert ids_of(rest) == ids_of(chunks)[cut : cut + 4]  # the tokens themselves are right
+
+
+async def test_empty_text_chunks_are_tokens_and_usage_counts_them() -> None:
+    body = {"prompt": "tell me", "return_token_ids": True, "max_tokens": 40, "stream_options": {"include_usage": True}}
+    async with running_engine(FAST) as port:
+        whole = await events(port, "/v1/completions", body)
+    chunks = [c for c in whole if isinstance(c, dict) and c["choices"]]
+    assert len(chunks) == 40
+    assert any(c["choices"][0]["text"] == "" for c in chunks)
+    assert whole[-2]["usage"]["completion_tokens"] == 40
+
+
+async def test_an_engine_without_token_ids_answers_without_them_or_refuses_the_field() -> None:
+    body = {"prompt": "tell me", "return_token_ids": True, "max_tokens": 3}
+    async with running_engine(EngineConfig(tokens_per_s=2000, token_ids="ignored")) as port:
+        chunks = await events(port, "/v1/completions", body)
+        assert [c["choices"][0]["token_ids"] for c in chunks[:-1]] == [None] * 3
+    async with (
+        running_engine(EngineConfig(tokens_per_s=2000, token_ids="refused")) as port,
+        aiohttp.ClientSession() as session,
+        session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as response,
+    ):
+        assert response.status == 400
+        assert (await response.json())["error"]["param"] == "return_token_ids"
 
 
 async def test_a_chat_continued_as_a_final_assistant_message_yields_the_uninterrupted_tokens() -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    async with running_engine(FAST) as port:
+    async with running_engine(WORDS_ONLY) as port:
         whole = chat_text(await events(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 25}))
         head = chat_text(await events(port, "/v1/chat/completions", {"messages": messages, "max_tokens": 10}))
         continued = {

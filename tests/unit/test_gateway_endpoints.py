@@ -19,6 +19,7 @@ def test_ready_endpoints_become_backends_and_the_rest_do_not() -> None:
                 {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
                 {"addresses": ["10.0.0.2"], "conditions": {"ready": False, "terminating": True}},
                 {"addresses": ["10.0.0.3"], "conditions": {}},  # nil ready means ready
+                {"addresses": ["10.0.0.4"], "conditions": {"terminating": True}},  # going away: never ready
                 {"addresses": []},
             ],
             ports=[{"name": "metrics", "port": 9090}, {"name": "http", "port": 8000}],

@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.continuation import continuation, refusal, refusal_at_start, remaining_tokens
+from gateway.continuation import Continuation, continuation, refusal, refusal_at_start, remaining_tokens
 from gateway.splice import Broken, Finished, Splicer
+
+CHAT = "/v1/chat/completions"
 
 
 def chat_chunk(content: str | None = None, *, role: str | None = None, finish: str | None = None, **top: Any) -> bytes:
@@ -121,7 +123,8 @@ def test_a_completion_continues_with_prompt_and_text_and_fewer_tokens() -> None:
     splicer.accept(text_chunk(" a"))
     splicer.accept(text_chunk(" b"))
     body = {"prompt": "hi", "max_tokens": 10, "min_tokens": 5}
-    assert continuation(body, splicer, chat=False) == {"prompt": "hi a b", "max_tokens": 8, "min_tokens": 3}
+    follow = continuation(body, splicer, chat=False, path="/v1/completions")
+    assert follow == Continuation("/v1/completions", {"prompt": "hi a b", "max_tokens": 8, "min_tokens": 3}, "text")
     assert body["prompt"] == "hi"  # the original is left alone
 
 
@@ -129,21 +132,22 @@ def test_a_completion_continues_from_token_ids_when_the_backend_returned_them() 
     splicer = Splicer(chat=False, include_usage=False)
     splicer.accept(text_chunk(" a", ids=[7], **{}))
     splicer.accept(text_chunk(" b", ids=[8, 9]))
-    assert continuation({"prompt": [1, 2]}, splicer, chat=False)["prompt"] == [1, 2, 7, 8, 9]
-    assert continuation({"prompt": [1, 2]}, splicer, chat=False)["max_tokens"] == 16 - 3
+    follow = continuation({"prompt": [1, 2]}, splicer, chat=False, path="/v1/completions")
+    assert (follow.body["prompt"], follow.body["max_tokens"], follow.method) == ([1, 2, 7, 8, 9], 16 - 3, "token_ids")
 
 
-def test_a_chat_continues_as_a_final_assistant_message_or_extends_the_clients_own() -> None:
+def test_a_chat_without_ids_continues_as_a_final_assistant_message_or_extends_the_clients_own() -> None:
     splicer = Splicer(chat=True, include_usage=False)
     splicer.accept(chat_chunk("", role="assistant"))
     splicer.accept(chat_chunk(" a"))
     user = [{"role": "user", "content": "hi"}]
-    follow = continuation({"messages": user, "max_completion_tokens": 5}, splicer, chat=True)
+    follow = continuation({"messages": user, "max_completion_tokens": 5}, splicer, chat=True, path=CHAT).body
     assert follow["messages"] == [*user, {"role": "assistant", "content": " a"}]
     assert (follow["continue_final_message"], follow["add_generation_prompt"]) == (True, False)
     assert follow["max_completion_tokens"] == 4
     prefilled = {"messages": [*user, {"role": "assistant", "content": "Sure:"}], "continue_final_message": True}
-    assert continuation(prefilled, splicer, chat=True)["messages"][-1] == {"role": "assistant", "content": "Sure: a"}
+    follow = continuation(prefilled, splicer, chat=True, path=CHAT).body
+    assert follow["messages"][-1] == {"role": "assistant", "content": "Sure: a"}
 
 
 @pytest.mark.parametrize(

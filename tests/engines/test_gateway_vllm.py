@@ -1,0 +1,290 @@
+"""The gateway in front of real vLLM: a broken stream reaches the client exactly as the uninterrupted one would.
+
+Greedy output of the tiny Llama is the same on every server, so each stream's reference is the same request sent
+straight to a server. Streams are broken three ways, many at once: dropped right after a chosen token by a proxy
+(after an empty-text token too: a partial character), their server killed (SIGKILL of its process group), and their
+server stopped (SIGTERM: an abort, an error event, or a stream left open and silent). In every case the client's
+text, finish reason and usage equal the reference's, and its token ids too where it asked for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from simulate.fakes.sse_client import Streamed, read_stream
+from simulate.vllm.server import MODEL_NAME, VllmServer
+from tests.conftest import serving_app
+from tests.engines.cut_proxy import cut_proxy
+from tests.gateway_harness import Running, gateway, metric
+
+PER_PATH = 28
+MAX_TOKENS = 80
+# Words of the tiny model's corpus, multi-byte ones among them, so prompts and outputs hold partial characters.
+# fmt: off
+WORDS = (
+    "stream", "token", "node", "spot", "drain", "engine", "naïve", "café", "straße", "Ελλάδα", "данные", "узел", "東京",
+    "流れ", "모델", "🚀",
+)
+# fmt: on
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def prompt(index: int) -> str:
+    return " ".join(WORDS[(index * 7 + k * 3) % len(WORDS)] for k in range(3 + index % 5)) + f" {index}"
+
+
+def requests() -> list[tuple[str, dict[str, Any]]]:
+    """Completions and chats, greedy, with usage; a third ask for token ids themselves."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for index in range(PER_PATH):
+        common: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": MAX_TOKENS, "temperature": 0}
+        common["stream_options"] = {"include_usage": True}
+        if index % 3 == 0:
+            common["return_token_ids"] = True
+        out.append((COMPLETIONS, {**common, "prompt": prompt(index)}))
+        messages = [{"role": "user", "content": f"chat {prompt(index)}"}]
+        out.append((CHAT, {**common, "messages": messages}))
+    return out
+
+
+async def gather_streams(url: str, calls: list[tuple[str, dict[str, Any]]]) -> list[Streamed]:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        return list(await asyncio.gather(*(read_stream(url + path, body, session=session) for path, body in calls)))
+
+
+async def references(server: VllmServer, calls: list[tuple[str, dict[str, Any]]]) -> list[Streamed]:
+    """The uninterrupted streams, with token ids (to place cuts) whether the client asks or not."""
+    return await gather_streams(server.url, [(p, {**b, "return_token_ids": True}) for p, b in calls])
+
+
+def token_chunks(streamed: Streamed) -> list[dict[str, Any]]:
+    return [c for c in streamed.chunks if c.get("choices") and "role" not in c["choices"][0].get("delta", {})]
+
+
+def text_of(chunk: dict[str, Any]) -> str:
+    choice = chunk["choices"][0]
+    return str(choice.get("text", (choice.get("delta") or {}).get("content")) or "")
+
+
+def ids(streamed: Streamed) -> list[int]:
+    return [i for c in token_chunks(streamed) for i in c["choices"][0].get("token_ids") or ()]
+
+
+def assert_same(got: Streamed, want: Streamed, *, asked: bool, what: str) -> None:
+    assert (got.status, got.done, got.cut, got.errors) == (200, 1, False, []), (
+        what,
+        got.status,
+        got.done,
+        got.cut,
+        got.errors,
+        got.body[:300],
+    )
+    assert got.text == want.text, what
+    assert got.finish_reasons == want.finish_reasons, what
+    assert got.usage == want.usage, what
+    if asked:
+        assert ids(got) == ids(want), what
+    else:
+        assert {c["choices"][0].get("token_ids") for c in token_chunks(got)} == {None}, what
+
+
+def assert_all_same(got: list[Streamed], want: list[Streamed], calls: list[tuple[str, dict[str, Any]]]) -> None:
+    for index, ((path, body), mine, theirs) in enumerate(zip(calls, got, want, strict=True)):
+        assert_same(mine, theirs, asked=bool(body.get("return_token_ids")), what=f"{index} {path}")
+
+
+def cut_points(want: Streamed, index: int) -> int | None:
+    """Where to drop the stream: right after an empty-text token for most, after a token with text for every fourth;
+    never in its first or last two tokens."""
+    counts, total = [], 0
+    for chunk in token_chunks(want):
+        total += len(chunk["choices"][0]["token_ids"])
+        counts.append((total, text_of(chunk) == ""))
+    inside = [(count, empty) for count, empty in counts if 2 <= count <= total - 2]
+    wanted = [count for count, empty in inside if empty == (index % 4 != 3)]
+    return wanted[len(wanted) // 2] if wanted else None
+
+
+async def test_streams_dropped_after_any_token_continue_exactly(vllm_servers: list[VllmServer]) -> None:
+    calls = requests()
+    want = await references(vllm_servers[0], calls)
+    async with (
+        cut_proxy(vllm_servers[0].url) as (first, first_port),
+        cut_proxy(vllm_servers[1].url) as (second, second_port),
+    ):
+        after_empty = 0
+        for index, ((_, body), reference) in enumerate(zip(calls, want, strict=True)):
+            if (at := cut_points(reference, index)) is not None:
+                first.cuts[key(body)] = second.cuts[key(body)] = at
+                after_empty += index % 4 != 3
+        async with gateway(first_port, second_port) as gw:
+            got = await gather_streams(gw.url(""), calls)
+            methods = await continuation_methods(gw)
+    cut = len(first.done) + len(second.done)
+    print(f"cuts: {len(got)} streams, {cut} dropped ({after_empty} after an empty-text token), methods {methods}")
+    assert_all_same(got, want, calls)
+    assert cut >= 2 * 20  # at least 20 per path
+    assert after_empty >= 20
+    assert methods == {"token_ids": cut, "text": 0, "restart": 0}
+
+
+def key(body: dict[str, Any]) -> str:
+    return str(body["prompt"]) if "prompt" in body else str(body["messages"][-1]["content"])
+
+
+async def continuation_methods(gw: Running) -> dict[str, float]:
+    names = ("token_ids", "text", "restart")
+    sample = 'spotdrain_gateway_continuation_methods_total{{method="{}"}}'
+    return {name: await metric(gw, sample.format(name)) for name in names}
+
+
+@asynccontextmanager
+async def readiness(count: int) -> AsyncIterator[tuple[list[bool], list[str]]]:
+    """Ready URLs the test turns on and off, standing for the backends' sidecars."""
+    ready = [True] * count
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=200 if ready[int(request.match_info["index"])] else 503)
+
+    app = web.Application()
+    app.router.add_get("/ready/{index}", answer)
+    async with serving_app(app) as port:
+        yield ready, [f"http://127.0.0.1:{port}/ready/{index}" for index in range(count)]
+
+
+def live(pool: list[VllmServer], count: int) -> list[VllmServer]:
+    """``count`` servers of the pool that are running (a test before may have killed some)."""
+    running = [s for s in pool if s.process is not None and s.process.poll() is None]
+    if len(running) < count:
+        pytest.fail(f"only {len(running)} vLLM servers running")
+    return running[:count]
+
+
+async def started(streams: list[Streamed], *, tokens: int) -> None:
+    """Until every stream has at least ``tokens`` token chunks (or has ended)."""
+    async with asyncio.timeout(120):
+        while any(len(token_chunks(s)) < tokens and not s.done for s in streams):
+            await asyncio.sleep(0.05)
+
+
+@asynccontextmanager
+async def through(gw: Running, calls: list[tuple[str, dict[str, Any]]]) -> AsyncIterator[tuple[list[Streamed], Any]]:
+    """The streams through the gateway, started now and filled in as they arrive; awaiting the second value waits
+    for them all to end."""
+    streams = [Streamed(0) for _ in calls]
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        reads = [
+            read_stream(gw.url(path), body, session=session, into=into)
+            for (path, body), into in zip(calls, streams, strict=True)
+        ]
+        running = asyncio.gather(*reads)
+        try:
+            yield streams, running
+        finally:
+            await running
+
+
+async def until(gw: Running, sample: str, value: float) -> None:
+    async with asyncio.timeout(30):
+        while await metric(gw, sample) != value:
+            await asyncio.sleep(0.05)
+
+
+def spliced(streams: list[Streamed], calls: list[tuple[str, dict[str, Any]]], path: str) -> int:
+    """How many of ``path``'s streams were continued at least once (each splice is marked by a comment)."""
+    return sum(bool(s.comments) for s, (p, _) in zip(streams, calls, strict=True) if p == path)
+
+
+def longest_silence(streams: list[Streamed]) -> float:
+    return max(max((b - a for a, b in zip(s.arrivals, s.arrivals[1:], strict=False)), default=0.0) for s in streams)
+
+
+async def test_streams_on_a_killed_server_continue_exactly(vllm_pool: list[VllmServer]) -> None:
+    serving, spare = live(vllm_pool, 2)
+    calls = requests()
+    want = await references(spare, calls)
+    async with readiness(2) as (ready, urls):
+        ready[1] = False  # every stream starts on the first server
+        flags = ("--ready-url", urls[0], "--ready-url", urls[1])
+        async with gateway(serving.port, spare.port, flags=flags) as gw:
+            await until(gw, "spotdrain_gateway_backends_ready", 1)
+            async with through(gw, calls) as (streams, running):
+                await started(streams, tokens=3)
+                ready[1] = True  # the spare takes requests before the first server goes
+                await until(gw, "spotdrain_gateway_backends_ready", 2)
+                serving.kill()  # SIGKILL of its process group, as a reclaimed node
+                await running
+            methods = await continuation_methods(gw)
+    print(
+        f"sigkill: {len(streams)} streams, spliced {spliced(streams, calls, COMPLETIONS)} completions, "
+        f"{spliced(streams, calls, CHAT)} chats, methods {methods}, longest silence {longest_silence(streams):.2f} s"
+    )
+    assert_all_same(streams, want, calls)
+    assert spliced(streams, calls, COMPLETIONS) >= 20
+    assert spliced(streams, calls, CHAT) >= 20
+    assert methods["text"] == 0
+    assert methods["token_ids"] >= 40
+
+
+CAUSES = ("abort", "error_event", "stalled", "reset", "server_error", "unavailable", "timeout")
+
+
+async def continued(gw: Running) -> float:
+    return sum([await metric(gw, f'spotdrain_gateway_continuations_total{{cause="{c}"}}') for c in CAUSES])
+
+
+async def test_streams_on_a_server_stopped_with_sigterm_continue_exactly_and_within_seconds(
+    vllm_pool: list[VllmServer],
+) -> None:
+    """vLLM's three SIGTERM endings: a chunk with finish_reason "abort", an error event, or nothing at all, the
+    connection left open (requests not yet generating end that way). None waits for the 60 s read timeout: every
+    stream is continued within the stall bound (2 s) and a probe of the server."""
+    serving, spare = live(vllm_pool, 2)
+    calls = requests()
+    want = await references(spare, calls)
+    generating, arriving = calls[:-8], calls[-8:]
+    async with readiness(2) as (ready, urls):
+        ready[1] = False
+        # The spare turns ready as the server stops, so a continuation may first find only the stopping server
+        # (refused, or a 500 while it shuts down): a few more tries than the default.
+        flags = ("--ready-url", urls[0], "--ready-url", urls[1], "--migration-limit", "6")
+        async with gateway(serving.port, spare.port, flags=flags) as gw:
+            await until(gw, "spotdrain_gateway_backends_ready", 1)
+            async with through(gw, generating) as (early, first), through(gw, arriving) as (late, second):
+                await started(early, tokens=3)
+                await asyncio.sleep(0.05)  # the late ones reach the server, not yet generating
+                open_streams = await metric(gw, "spotdrain_gateway_open_streams")
+                serving.signal(signal.SIGTERM)
+                ready[1] = True
+                stopped = time.monotonic()
+                async with asyncio.timeout(30):
+                    while await continued(gw) < open_streams:
+                        await asyncio.sleep(0.05)
+                took = time.monotonic() - stopped
+                await first
+                await second
+            causes = {c: await metric(gw, f'spotdrain_gateway_continuations_total{{cause="{c}"}}') for c in CAUSES}
+        exited = await asyncio.to_thread(serving.process.wait, 60) if serving.process is not None else None
+    streams = early + late
+    print(
+        f"sigterm: {len(streams)} streams, all continued {took:.2f} s after SIGTERM, causes {causes}, longest "
+        f"client silence {longest_silence(streams):.2f} s, server exited: {exited}"
+    )
+    assert_all_same(streams, want, calls)
+    assert took < 3.0, causes  # the stall bound and a probe, not the 60 s read timeout
+    assert longest_silence(streams) < 15.0  # with the spare's prefill of every continuation at once
+    assert spliced(early, generating, COMPLETIONS) >= 20
+    assert spliced(early, generating, CHAT) >= 20
+    assert exited is not None  # once the gateway left its streams, the server could exit
