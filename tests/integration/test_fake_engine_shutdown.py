@@ -13,7 +13,7 @@ import pytest
 
 from simulate.fakes.engine import EngineConfig, FakeEngine, serve_engine
 from simulate.fakes.engine_shutdown import ENGINE_DEAD
-from simulate.fakes.processes import free_port
+from simulate.fakes.processes import free_port, wait_http
 from tests.conftest import scrape, until
 
 
@@ -51,13 +51,7 @@ async def engine(config: EngineConfig) -> AsyncIterator[Engine]:
     port, stop = free_port(), asyncio.Event()
     task = asyncio.create_task(serve_engine(config, host="127.0.0.1", port=port, stop=stop))
     running = Engine(port, stop, task)
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            try:
-                async with session.get(f"{running.url}/health"):
-                    break
-            except aiohttp.ClientError:
-                await asyncio.sleep(0.01)
+    await wait_http(f"{running.url}/health", timeout_s=2)
     try:
         yield running
     finally:

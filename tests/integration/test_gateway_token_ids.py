@@ -7,6 +7,7 @@ that ends inside a character, as vLLM 0.32.0 does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -104,16 +105,19 @@ async def test_a_chat_without_a_token_limit_continues_to_the_end_of_the_models_c
     assert want.usage[0]["total_tokens"] == 80
 
 
+def words_only(*, token_ids: str) -> tuple[EngineConfig, EngineConfig]:
+    """A words-only engine answering ``return_token_ids`` that way, and the same one dropping streams at 7 tokens."""
+    words = EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, partial_utf8=False, token_ids=token_ids)
+    return words, dataclasses.replace(words, fault="drop", fault_after=7)
+
+
 @pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT], ids=["completions", "chat"])
 async def test_a_backend_that_refuses_the_field_is_asked_without_it_and_continued_by_text(
     path: str, body: dict[str, Any]
 ) -> None:
     """Text continues exactly only on a tokenizer that round-trips: the words-only model here."""
     body = {**body, **USAGE}
-    words = EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, partial_utf8=False, token_ids="refused")
-    cut = EngineConfig(
-        tokens_per_s=FAST_TOKENS_PER_S, partial_utf8=False, token_ids="refused", fault="drop", fault_after=7
-    )
+    words, cut = words_only(token_ids="refused")
     async with engines(words) as (alone,), aiohttp.ClientSession() as session:
         want = await read_stream(f"http://127.0.0.1:{alone}{path}", body, session=session)
     async with engines(cut, words) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
@@ -132,10 +136,7 @@ async def test_a_backend_that_refuses_the_field_is_asked_without_it_and_continue
 
 async def test_a_backend_that_ignores_the_field_is_continued_by_text_and_counted_so() -> None:
     path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
-    words = EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, partial_utf8=False, token_ids="ignored")
-    cut = EngineConfig(
-        tokens_per_s=FAST_TOKENS_PER_S, partial_utf8=False, token_ids="ignored", fault="drop", fault_after=7
-    )
+    words, cut = words_only(token_ids="ignored")
     async with engines(words) as (alone,), aiohttp.ClientSession() as session:
         want = await read_stream(f"http://127.0.0.1:{alone}{path}", body, session=session)
     async with engines(cut, words) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
