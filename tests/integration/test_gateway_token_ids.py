@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from gateway.backends import Backend, context_length
 from simulate.fakes.engine import EngineConfig, FakeEngine
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import free_port
@@ -261,3 +262,39 @@ async def test_a_stream_hung_on_an_endpoint_that_turned_not_ready_continues_with
             assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="stalled"}') == 1
     assert_same(got, want)
     assert waited < 3.0
+
+
+HOW = web.AppKey("how", str)
+
+
+async def _models_answer(request: web.Request) -> web.StreamResponse:
+    """``/v1/models`` as a backend at its worst: hung, dropped mid-answer, garbage with a 200, or vLLM's card."""
+    how = request.app[HOW]
+    if how == "hang":
+        await asyncio.sleep(3)  # well past the caller's timeout, short enough for the server's own shutdown
+    if how == "drop":
+        response = web.StreamResponse(headers={"Content-Length": "100"})
+        await response.prepare(request)
+        await response.write(b'{"data": [')
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+    if how == "garbage":
+        return web.Response(body=b"<html>\x00\xff not json", content_type="application/json")
+    return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 2048}]})
+
+
+@pytest.mark.parametrize(("how", "expected"), [("hang", None), ("drop", None), ("garbage", None), ("card", 2048)])
+async def test_the_context_length_survives_a_backend_that_hangs_drops_or_answers_garbage(
+    how: str, expected: int | None
+) -> None:
+    app = web.Application()
+    app[HOW] = how
+    app.router.add_get("/v1/models", _models_answer)
+    async with serving_app(app) as port, aiohttp.ClientSession() as session:
+        backend = Backend(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/health")
+        started = time.monotonic()
+        length = await context_length(session, backend, model="tiny", timeout_s=0.5)
+        assert time.monotonic() - started < 2
+        assert length == expected
+        assert backend.context_len == expected  # only a real answer is kept; a failure is asked again next time
