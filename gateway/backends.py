@@ -7,7 +7,7 @@ import itertools
 import json
 import time
 from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -82,6 +82,8 @@ class Pool:
         self.holding: dict[str, set[Mover]] = {}  # backend URL -> the streams it is relaying
         self.leaving: dict[str, datetime] = {}  # backend URL -> its node's termination time
         self.leaving_changed = asyncio.Event()
+        self.recheck = asyncio.Event()  # a broken stream found no backend it has not tried: check readiness now
+        self._readied = asyncio.Event()  # set (and replaced) each time a backend turns ready
         self._picks = itertools.count(1)
         self._publish()
 
@@ -99,6 +101,19 @@ class Pool:
         chosen.picked = next(self._picks)
         return chosen
 
+    async def fresh(self, avoid: Collection[str], *, within_s: float) -> None:
+        """Until a backend not in ``avoid`` is ready, or ``within_s`` has passed; readiness is checked again now
+        rather than at the next interval (the spare of a stopping server may have turned ready since)."""
+        self.recheck.set()
+        with suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while not any(b.ready and b.url not in avoid and b.url not in self.leaving for b in self.backends):
+                    await self._readied.wait()
+
+    def _became_ready(self) -> None:
+        self._readied.set()
+        self._readied = asyncio.Event()
+
     def follow(self, urls: Sequence[str]) -> None:
         """Backends are now ``urls`` (a Service's ready endpoints); those kept keep their state and open streams."""
         known = {b.url: b for b in self.backends}
@@ -107,6 +122,7 @@ class Pool:
         self.backends = [known.get(url) or Backend(url, f"{url}/health") for url in urls]
         log.info("backends.changed", backends=list(urls))
         self._publish()
+        self._became_ready()
 
     def set_leaving(self, times: dict[str, datetime]) -> None:
         """Backends whose node has a termination time: they get no new stream, and theirs move before it."""
@@ -147,6 +163,8 @@ class Pool:
             backend.ready = ready
             log.info("backend.ready" if ready else "backend.unready", backend=backend.url, cause="health")
             self._publish()
+            if ready:
+                self._became_ready()
 
     def going_away(self, url: str) -> bool:
         """Whether the backend at ``url`` is leaving: its node's termination time is set, it is out of rotation (its
@@ -185,8 +203,11 @@ async def health_checker(session: aiohttp.ClientSession, pool: Pool, *, interval
             pool.set_ready(backend, False)
 
     while True:
+        pool.recheck.clear()
         await asyncio.gather(*(check(b) for b in pool.backends))
-        await asyncio.sleep(interval_s)
+        with suppress(TimeoutError):
+            async with asyncio.timeout(interval_s):
+                await pool.recheck.wait()
 
 
 async def context_length(

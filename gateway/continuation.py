@@ -127,13 +127,17 @@ def refusal(body: dict[str, Any], splicer: Splicer, *, chat: bool, max_tokens: i
 
 def remaining_tokens(body: dict[str, Any], splicer: Splicer, *, chat: bool) -> int | None:
     """Tokens the continuation may still generate; None when the request set no bound."""
+    return _left(body, splicer.tokens, chat=chat)
+
+
+def _left(body: dict[str, Any], tokens: int, *, chat: bool) -> int | None:
     limit = body.get("max_completion_tokens") if chat else None
     limit = body.get("max_tokens") if limit is None else limit
     if limit is None and not chat:
         limit = 16  # vLLM's default for completions (vllm/entrypoints/openai/completion/protocol.py)
     if not isinstance(limit, int) or isinstance(limit, bool):
         return None
-    return limit - splicer.tokens
+    return limit - tokens
 
 
 def _single_prompt(body: dict[str, Any]) -> Any:
@@ -144,14 +148,15 @@ def _single_prompt(body: dict[str, Any]) -> Any:
 
 
 def _prompt_ids(body: dict[str, Any], splicer: Splicer) -> list[int] | None:
-    """Prompt + generated token ids, when both are known as ids."""
+    """Prompt + generated token ids up to where a continuation by ids starts, when both are known as ids."""
     if splicer.token_ids is None:
         return None
+    generated = splicer.token_ids[: splicer.resume_ids]
     prompt = _single_prompt(body)
     if isinstance(prompt, list) and all(isinstance(i, int) for i in prompt):
-        return [*prompt, *splicer.token_ids]
+        return [*prompt, *generated]
     if splicer.prompt_token_ids is not None:
-        return [*splicer.prompt_token_ids, *splicer.token_ids]
+        return [*splicer.prompt_token_ids, *generated]
     return None
 
 
@@ -167,24 +172,25 @@ def continuation(
 ) -> Continuation:
     """The request that continues ``body`` (sent to ``path``) after what the client already received.
 
-    A chat without a token limit runs to the end of the model's context: continued on /v1/completions (whose default
-    is 16 tokens) it needs that length, ``context_len``; without it, it continues by text.
+    By ids it starts at ``splicer.resume_ids`` (the splicer is then rewound there: ``Splicer.rewind``); by text,
+    after all the text so far. A chat without a token limit runs to the end of the model's context: continued on
+    /v1/completions (whose default is 16 tokens) it needs that length, ``context_len``; without it, it continues by
+    text.
     """
     if not by_ids(body, splicer, chat=chat):
         return Continuation(path, _by_text(body, splicer, chat=chat), "text")
+    resume = splicer.resume_ids
     if not chat:
-        return Continuation(
-            path, _reduced(body, splicer, chat=False) | {"prompt": _prompt_ids(body, splicer)}, "token_ids"
-        )
-    left = remaining_tokens(body, splicer, chat=True)
-    assert splicer.prompt_token_ids is not None
-    assert splicer.token_ids is not None
-    prompt = [*splicer.prompt_token_ids, *splicer.token_ids]
+        follow = _reduced(body, resume, chat=False) | {"prompt": _prompt_ids(body, splicer)}
+        return Continuation(path, follow, "token_ids")
+    left = _left(body, resume, chat=True)
+    prompt = _prompt_ids(body, splicer)
+    assert prompt is not None
     if left is None and context_len is not None:
         left = context_len - len(prompt)
     if left is None:
         return Continuation(path, _by_text(body, splicer, chat=True), "text")
-    return Continuation(COMPLETIONS, _chat_by_ids(body, prompt, left=left, min_tokens=splicer.tokens), "token_ids")
+    return Continuation(COMPLETIONS, _chat_by_ids(body, prompt, left=left, min_tokens=resume), "token_ids")
 
 
 def _chat_by_ids(body: dict[str, Any], prompt: list[int], *, left: int, min_tokens: int) -> dict[str, Any]:
@@ -199,7 +205,7 @@ def _chat_by_ids(body: dict[str, Any], prompt: list[int], *, left: int, min_toke
 
 
 def _by_text(body: dict[str, Any], splicer: Splicer, *, chat: bool) -> dict[str, Any]:
-    follow = _reduced(body, splicer, chat=chat)
+    follow = _reduced(body, splicer.tokens, chat=chat)
     if chat:
         follow["messages"] = _messages(body, splicer.text_so_far)
         follow["continue_final_message"] = True
@@ -209,17 +215,17 @@ def _by_text(body: dict[str, Any], splicer: Splicer, *, chat: bool) -> dict[str,
     return follow
 
 
-def _reduced(body: dict[str, Any], splicer: Splicer, *, chat: bool) -> dict[str, Any]:
-    """``body`` with its token bounds reduced by the tokens generated so far."""
+def _reduced(body: dict[str, Any], tokens: int, *, chat: bool) -> dict[str, Any]:
+    """``body`` with its token bounds reduced by ``tokens`` generated."""
     follow = copy.deepcopy(body)
-    left = remaining_tokens(body, splicer, chat=chat)
+    left = _left(body, tokens, chat=chat)
     for name in ("max_tokens", "max_completion_tokens"):
         if name in follow and left is not None:
             follow[name] = left
     if not chat and "max_tokens" not in follow and left is not None:
         follow["max_tokens"] = left
     if isinstance(follow.get("min_tokens"), int):
-        follow["min_tokens"] = max(0, follow["min_tokens"] - splicer.tokens)
+        follow["min_tokens"] = max(0, follow["min_tokens"] - tokens)
     follow.pop("echo", None)  # the client already has the echo
     return follow
 

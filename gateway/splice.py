@@ -9,9 +9,13 @@ count, the token ids where the backend returned them (vLLM's ``return_token_ids`
 started.
 
 Every id is a token, empty text or not: vLLM streams a token that ends inside a multi-byte character as a chunk with
-empty text, and the character comes with a later token. A continuation by ids starts after the last token that
-brought text (a prompt that ends inside a character makes vLLM echo the whole decoded prompt); greedy decoding
-generates the dropped tokens again, and the client, which already had their chunks, does not get them twice.
+empty text, and the character comes with a later token. A prompt that ends inside a character makes vLLM echo the
+whole decoded prompt, so a continuation by ids starts where the ids are known to end a character: after the last
+chunk of one token that brought text (vLLM's decoder streams text only when it ends a character). A chunk of several
+tokens tells nothing about its last one: when its API server falls behind, vLLM merges the steps not yet sent into one
+chunk (RequestOutputCollector in vllm/v1/engine/output_processor.py), and the last of them may start a character the
+text leaves out. Greedy decoding generates the tokens after that point again; the client, which already had their
+text and chunks, does not get them twice.
 """
 
 from __future__ import annotations
@@ -75,8 +79,11 @@ class Splicer:
     tokens: int = 0
     token_ids: array[int] | None = field(default_factory=lambda: array("q"))  # None once a token came without its id
     prompt_token_ids: list[int] | None = None
-    text_ids: int = 0  # ids up to the end of the last chunk that brought text
+    # Where a continuation by ids starts: ids known to end a character, and the bytes of text up to there.
+    resume_ids: int = 0
+    resume_text: int = 0
     shown: int = 0  # tokens the client has had a chunk for (more than ``tokens`` after a rewind)
+    behind: int = 0  # bytes of text the client has that the current backend is still generating again
     role_sent: bool = False
     finish_reason: str | None = None
     tool_call: bool = False
@@ -98,19 +105,23 @@ class Splicer:
     def from_chat(self) -> bool:
         return self.chat if self.source_chat is None else self.source_chat
 
-    def next_segment(self, *, rewind: bool = False, source_chat: bool | None = None) -> None:
+    def next_segment(self, *, source_chat: bool | None = None) -> None:
         """A continuation starts: what it reports about usage is relative to the tokens sent before it.
 
-        ``rewind``: it continues by ids from the last token that brought text; ``source_chat``: its shape.
-        """
-        self.continuing = self.tokens > 0  # else nothing generated reached the client: its request starts over
-        if rewind and self.token_ids is not None:
-            del self.token_ids[self.text_ids :]
-            self.tokens = self.text_ids
+        ``source_chat``: its backend's shape (None: the client's)."""
+        self.continuing = self.shown > 0  # else nothing generated reached the client: its request starts over
         self.segment += 1
         self.source_chat = source_chat
         self.tokens_before_segment = self.tokens
         self.backend_usage = self.raw_usage = None
+
+    def rewind(self) -> None:
+        """The continuation goes on by ids from ``resume_ids``: the tokens after it come again."""
+        if self.token_ids is None:
+            return
+        del self.token_ids[self.resume_ids :]
+        self.tokens = self.tokens_before_segment = self.resume_ids
+        self.behind = len(self.text) - self.resume_text
 
     def accept(self, data: bytes) -> Step:
         """One backend event (the bytes after ``data:``): what to relay and whether this backend's stream ended."""
@@ -152,19 +163,42 @@ class Splicer:
             return Step(end=Broken("garbage", "a choice without text"))
         finish = choice.get("finish_reason")
         self._note_prompt_ids(chunk, choice)
+        new = self._new_text(piece)
         repeated = self._count(choice.get("token_ids"), piece)
-        self.text += piece.encode(errors="surrogatepass")  # JSON may carry lone surrogates
+        if new != piece:
+            self._set_text(choice, new)
+        if repeated:
+            choice["token_ids"] = choice["token_ids"][repeated:]
+            _drop_logprobs(choice, repeated)
         if finish in ("abort", "error"):  # vLLM aborted the request (shutdown) or failed it: continue elsewhere
             choice["finish_reason"] = None
-            out = self._relay(chunk, b"") if piece else b""
+            out = self._relay(chunk, b"") if new else b""
             return Step(out=out, end=Broken("abort" if finish == "abort" else "error_event", f"finish_reason {finish}"))
         if finish is not None:
             self.finish_reason = str(finish)
-        if dropped or (repeated and not piece and finish is None and not choice["token_ids"][repeated:]):
+        if dropped or (repeated and not new and finish is None and not choice["token_ids"]):
             return Step()  # the client had this chunk already
-        if repeated:
-            choice["token_ids"] = choice["token_ids"][repeated:]
         return Step(out=self._relay(chunk, data))
+
+    def _new_text(self, piece: str) -> str:
+        """What of ``piece`` the client does not have yet (after a rewind, the backend first says it again)."""
+        skip = min(self.behind, len(piece.encode(errors="surrogatepass")))  # JSON may carry lone surrogates
+        self.behind -= skip
+        for at, char in enumerate(piece):
+            if skip <= 0:
+                new = piece[at:]
+                break
+            skip -= len(char.encode(errors="surrogatepass"))
+        else:
+            new = ""
+        self.text += new.encode(errors="surrogatepass")
+        return new
+
+    def _set_text(self, choice: dict[str, Any], text: str) -> None:
+        if self.from_chat:
+            choice["delta"]["content"] = text
+        else:
+            choice["text"] = text
 
     def _count(self, ids: Any, piece: str) -> int:
         """Count the chunk's tokens; how many of its first ids the client already had a chunk for."""
@@ -178,8 +212,8 @@ class Splicer:
         self.tokens += len(ids)
         if self.token_ids is not None:
             self.token_ids.extend(i for i in ids if isinstance(i, int) and -(2**63) <= i < 2**63)
-        if piece:
-            self.text_ids = self.tokens
+        if piece and len(ids) == 1:
+            self.resume_ids, self.resume_text = self.tokens, len(self.text) - self.behind
         repeated = min(len(ids), max(0, self.shown - start))
         self.shown = max(self.shown, self.tokens)
         return repeated
@@ -275,3 +309,12 @@ class Splicer:
             prompt = max(0, int(reported["prompt_tokens"]) - self.tokens_before_segment)
         prompt = prompt or 0
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def _drop_logprobs(choice: dict[str, Any], count: int) -> None:
+    """A completions choice's logprobs without the first ``count`` tokens' (the client had them)."""
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        for key, value in logprobs.items():
+            if isinstance(value, list):
+                logprobs[key] = value[count:]

@@ -8,7 +8,6 @@ OpenAI-style error event and ``[DONE]`` at once. Each turn is bounded by the rel
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover, Pool, context_length
-from gateway.continuation import by_ids, continuation, refusal, refusal_at_start, remaining_tokens
+from gateway.continuation import continuation, refusal, refusal_at_start, remaining_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
 from gateway.settings import GatewaySettings
@@ -29,8 +28,11 @@ from gateway.token_ids import FIELD, asked, refuses_ids, with_ids
 log = structlog.get_logger()
 
 # Before re-sending to a backend that already failed the request (the only one ready, e.g. one Service URL whose
-# endpoints still hold a dead pod for a moment), by continuation; the last pause repeats.
+# endpoints still hold a dead pod for a moment), by continuation; the last pause repeats. A backend that turns ready
+# meanwhile ends the pause.
 RETRY_PAUSES_S = (0.1, 0.3, 0.6, 1.0)
+# How long a broken stream waits for a ready backend when none is, before it is cut.
+NO_BACKEND_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -104,15 +106,19 @@ class _Run:
     async def serve(self, original: bytes) -> tuple[web.StreamResponse, str]:
         avoid: set[str] = set()
         comment = b""
+        pool = self.gateway.pool
         while True:
-            backend = self.gateway.pool.pick(avoid=avoid)
+            backend = pool.pick(avoid=avoid)
+            if self.broken is not None and (backend is None or backend.url in avoid):
+                # None ready, or only those that failed this request: wait for another, or give one time to recover
+                pause = RETRY_PAUSES_S[min(self.continuations, len(RETRY_PAUSES_S) - 1)]
+                await pool.fresh(avoid, within_s=NO_BACKEND_WAIT_S if backend is None else pause)
+                backend = pool.pick(avoid=avoid)
             if backend is None:
                 return await self._cut("no_backend", self.broken)
             request = await self._request(backend, original)
             if self.broken is not None:
                 self._continued(*self.broken, to=backend.url, method=request.method)
-            if backend.url in avoid:  # the only one left already failed this request: give it time to recover
-                await asyncio.sleep(RETRY_PAUSES_S[min(self.continuations, len(RETRY_PAUSES_S)) - 1])
             end = await self._send(backend, request, comment)
             if isinstance(end, Rejected) and request.asks_ids and refuses_ids(end.status, end.body):
                 backend.token_ids = False  # it does not take the field: ask it without, now and from now on
@@ -129,7 +135,7 @@ class _Run:
             self.broken = (backend.url, end)
             if (ended := await self._end_after_break(self.broken)) is not None:
                 return ended
-            self.splicer.next_segment(rewind=by_ids(self.body, self.splicer, chat=self.chat))
+            self.splicer.next_segment()
             self.restart = not self.splicer.continuing
             comment = b""
             if self.gateway.settings.migration.mark_splices and self.client.started:
@@ -172,6 +178,8 @@ class _Run:
                 self.gateway.session, backend, model=self.body.get("model"), timeout_s=timeout_s
             )
         plan = continuation(self.body, self.splicer, chat=self.chat, path=self.path, context_len=context_len)
+        if plan.method == "token_ids":
+            self.splicer.rewind()
         self.splicer.source_chat = plan.chat
         body = plan.body
         body.pop(FIELD, None)
@@ -194,7 +202,7 @@ class _Run:
     def _refusal(self) -> str | None:
         if self.continuations >= self.gateway.settings.migration.limit:
             return "limit"
-        if self.splicer.tokens == 0 and not self.splicer.multiple_choices:
+        if self.splicer.shown == 0 and not self.splicer.multiple_choices:
             return None  # nothing generated reached the client: any request may start over
         max_tokens = self.gateway.settings.migration.max_tokens
         return refusal(self.body, self.splicer, chat=self.chat, max_tokens=max_tokens)

@@ -81,9 +81,10 @@ async def running_engine_on(port: int) -> AsyncIterator[None]:
         await task
 
 
-async def reference(path: str, body: dict[str, Any]) -> Streamed:
+async def reference(path: str, body: dict[str, Any], *, merge_steps: int = 1) -> Streamed:
     """The uninterrupted stream: the same request straight to a healthy engine (tokens depend only on context)."""
-    async with running_engine(EngineConfig(tokens_per_s=2000)) as port, aiohttp.ClientSession() as session:
+    config = EngineConfig(tokens_per_s=2000, merge_steps=merge_steps)
+    async with running_engine(config) as port, aiohttp.ClientSession() as session:
         return await read_stream(f"http://127.0.0.1:{port}{path}", body, session=session)
 
 

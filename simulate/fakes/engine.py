@@ -21,7 +21,7 @@ from simulate.fakes.engine_config import EngineConfig as EngineConfig  # where t
 from simulate.fakes.engine_config import parse_flags
 from simulate.fakes.engine_metrics import VllmMetrics
 from simulate.fakes.engine_shutdown import ERROR_EVENT, Shutdown, client_gone, refused
-from simulate.fakes.openai_format import DONE, InvalidRequest, Job, Stream, error_body, read_job
+from simulate.fakes.openai_format import DONE, InvalidRequest, Job, Stream, chunk_size, error_body, read_job
 from simulate.fakes.tokens import Context, Detokenizer
 
 log = structlog.get_logger()
@@ -164,20 +164,28 @@ class FakeEngine:
                 first = out.first(role=job.role, prompt_ids=job.prompt_ids)
                 if first is not None:
                     await response.write(first)
+                texts: list[str] = []
+                ids: list[int] = []  # steps not sent yet
                 async with aclosing(self._tokens(job, engine=engine)) as tokens:
                     async for token, text, finish, stop in tokens:
                         if self.shutdown.ending is not None:
                             self.cut += 1
                             await self._fault(self.shutdown.ending, request, response, job, out, generated=generated)
                             return
-                        fault = self.config.fault if self._faults_at(generated) else None
+                        fault = self.config.fault if self._faults_at(generated + len(ids)) else None
                         if fault is not None and await self._fault(
                             fault, request, response, job, out, generated=generated
                         ):
                             return
+                        texts.append(text)
+                        ids.append(token)
+                        if finish is None and len(ids) < chunk_size(ids[0], self.config.merge_steps):
+                            continue
                         first_ids = job.prompt_ids if generated == 0 else None
-                        await response.write(out.token(text, [token], finish=finish, stop=stop, prompt_ids=first_ids))
-                        generated += 1
+                        chunk = out.token("".join(texts), ids, finish=finish, stop=stop, prompt_ids=first_ids)
+                        await response.write(chunk)
+                        generated += len(ids)
+                        texts, ids = [], []
                 if self.config.linger_s > 0:
                     self.running[engine] -= 1
                     released = True

@@ -34,6 +34,9 @@ class EngineConfig:
     partial_utf8: bool = True
     # What becomes of ``return_token_ids``: one of TOKEN_IDS.
     token_ids: str = "returned"
+    # Up to this many engine steps per chunk, as vLLM sends them when its API server falls behind (the steps not yet
+    # sent are merged: RequestOutputCollector in vllm/v1/engine/output_processor.py). 1: one token per chunk.
+    merge_steps: int = 1
 
 
 # drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
@@ -64,6 +67,7 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
     parser.add_argument(
         "--no-partial-utf8", action="store_true", help="generate whole characters only (text round-trips as ids)"
     )
+    parser.add_argument("--merge-steps", type=int, default=1, help="up to this many tokens per chunk, as under load")
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,
@@ -79,5 +83,6 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
         shutdown_timeout_s=args.shutdown_timeout,
         partial_utf8=not args.no_partial_utf8,
         token_ids=args.token_ids,
+        merge_steps=max(1, args.merge_steps),
     )
     return args, config

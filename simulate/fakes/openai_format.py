@@ -39,6 +39,12 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def chunk_size(first_token: int, merge_steps: int) -> int:
+    """How many engine steps go out in the chunk that starts with ``first_token`` (1 to ``merge_steps``): a function
+    of the token, so a stream and its continuation merge at other places, as two loaded servers would."""
+    return 1 + (first_token * 0x9E3779B1 >> 5) % merge_steps
+
+
 @dataclass(frozen=True)
 class Stream:
     """What every chunk of one response repeats: its id, creation time, model and whether token ids go out."""

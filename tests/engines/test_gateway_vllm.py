@@ -28,9 +28,10 @@ from tests.gateway_harness import Running, gateway, metric
 
 PER_PATH = 28
 MAX_TOKENS = 80
-# The SIGKILL test's streams: long enough to be still generating when their server is killed at the tiny model's
-# fastest (vLLM alone on the machine); at 80 a quiet machine finished them all before the kill.
-KILL_MAX_TOKENS = 300
+# Long streams: still generating when their server is killed at the tiny model's fastest (vLLM alone on the
+# machine; at 80 a quiet machine finished them all before the kill), and long enough for vLLM to merge steps into
+# one chunk now and then (a chunk of several tokens whose last one starts a character made a prompt echo possible).
+LONG_MAX_TOKENS = 300
 # Words of the tiny model's corpus, multi-byte ones among them, so prompts and outputs hold partial characters.
 # fmt: off
 WORDS = (
@@ -108,19 +109,21 @@ def assert_all_same(got: list[Streamed], want: list[Streamed], calls: list[tuple
 
 
 def cut_points(want: Streamed, index: int) -> int | None:
-    """Where to drop the stream: right after an empty-text token for most, after a token with text for every fourth;
-    never in its first or last two tokens."""
+    """Where to drop the stream: right after an empty-text token for most, after a chunk with text for every fourth
+    (one of several tokens where vLLM merged some); never in its first or last two tokens."""
     counts, total = [], 0
     for chunk in token_chunks(want):
-        total += len(chunk["choices"][0]["token_ids"])
-        counts.append((total, text_of(chunk) == ""))
-    inside = [(count, empty) for count, empty in counts if 2 <= count <= total - 2]
-    wanted = [count for count, empty in inside if empty == (index % 4 != 3)]
+        size = len(chunk["choices"][0]["token_ids"])
+        total += size
+        counts.append((total, "empty" if text_of(chunk) == "" else "merged" if size > 1 else "text"))
+    inside = [(count, kind) for count, kind in counts if 2 <= count <= total - 2]
+    kinds = ("empty",) if index % 4 != 3 else ("merged", "text")
+    wanted = next(([c for c, k in inside if k == kind] for kind in kinds if any(k == kind for _, k in inside)), [])
     return wanted[len(wanted) // 2] if wanted else None
 
 
 async def test_streams_dropped_after_any_token_continue_exactly(vllm_servers: list[VllmServer]) -> None:
-    calls = requests()
+    calls = requests(LONG_MAX_TOKENS)
     want = await references(vllm_servers[0], calls)
     async with (
         cut_proxy(vllm_servers[0].url) as (first, first_port),
@@ -135,7 +138,11 @@ async def test_streams_dropped_after_any_token_continue_exactly(vllm_servers: li
             got = await gather_streams(gw.url(""), calls)
             methods = await continuation_methods(gw)
     cut = len(first.done) + len(second.done)
-    print(f"cuts: {len(got)} streams, {cut} dropped ({after_empty} after an empty-text token), methods {methods}")
+    merged = sum(any(len(c["choices"][0]["token_ids"]) > 1 for c in token_chunks(w)) for w in want)
+    print(
+        f"cuts: {len(got)} streams, {cut} dropped ({after_empty} after an empty-text token), methods {methods}; "
+        f"{merged} references had merged chunks"
+    )
     assert_all_same(got, want, calls)
     assert cut >= 2 * 20  # at least 20 per path
     assert after_empty >= 20
@@ -216,7 +223,7 @@ def longest_silence(streams: list[Streamed]) -> float:
 
 async def test_streams_on_a_killed_server_continue_exactly(vllm_pool: list[VllmServer]) -> None:
     serving, spare = live(vllm_pool, 2)
-    calls = requests(KILL_MAX_TOKENS)
+    calls = requests(LONG_MAX_TOKENS)
     want = await references(spare, calls)
     async with readiness(2) as (ready, urls):
         ready[1] = False  # every stream starts on the first server

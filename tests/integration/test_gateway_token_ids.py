@@ -24,6 +24,7 @@ from simulate.fakes.engine import EngineConfig, FakeEngine
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import free_port
 from simulate.fakes.sse_client import Streamed, read_stream
+from simulate.fakes.tokens import Detokenizer
 from tests.conftest import serving_app
 from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference
 
@@ -91,6 +92,38 @@ async def test_a_stream_cut_after_an_empty_text_token_continues_exactly_by_ids(
     assert_same(got, want)
     assert got.usage[0]["completion_tokens"] == 40
     assert {c["object"] for c in got.chunks} == {"chat.completion.chunk" if chat else "text_completion"}
+
+
+def merged_cuts(want: Streamed) -> list[int]:
+    """Token counts after which the reference had just streamed a chunk of several tokens with text whose last token
+    starts a character the text leaves out (a text that ends with a whole character says nothing of it)."""
+    ends, count = [], 0
+    for chunk in want.chunks:
+        for choice in chunk.get("choices") or ():
+            ids = choice.get("token_ids") or []
+            count += len(ids)
+            text = choice.get("text", (choice.get("delta") or {}).get("content"))
+            if len(ids) > 1 and text and Detokenizer().step(ids[-1]) == "":
+                ends.append(count)
+    return ends
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT], ids=["completions", "chat"])
+async def test_a_stream_cut_after_a_merged_chunk_ending_inside_a_character_continues_exactly(
+    path: str, body: dict[str, Any]
+) -> None:
+    """A loaded vLLM sends several steps in one chunk; its last token can hold a character's first byte."""
+    body = {**body, **USAGE, "max_tokens": 120}
+    merged = dataclasses.replace(HEALTHY, merge_steps=3)
+    cuts = merged_cuts(await reference(path, {**body, "return_token_ids": True}, merge_steps=3))
+    assert cuts
+    want = await reference(path, body)
+    faulty = dataclasses.replace(merged, fault="drop", fault_after=cuts[0])
+    async with engines(faulty, merged) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url(path), body, session=session)
+        assert await metric(gw, 'spotdrain_gateway_continuation_methods_total{method="token_ids"}') == 1
+    assert got.text == want.text
+    assert (got.usage, got.finish_reasons, got.done, got.errors) == (want.usage, want.finish_reasons, 1, [])
 
 
 async def test_a_chat_without_a_token_limit_continues_to_the_end_of_the_models_context() -> None:
@@ -298,3 +331,38 @@ async def test_the_context_length_survives_a_backend_that_hangs_drops_or_answers
         assert time.monotonic() - started < 2
         assert length == expected
         assert backend.context_len == expected  # only a real answer is kept; a failure is asked again next time
+
+
+async def test_a_broken_stream_with_only_its_own_backend_ready_looks_again_for_another_at_once() -> None:
+    """The spare turned ready since the last health check (it took the place of a server that now stops): the
+    continuation goes there rather than back to the server that failed it, without waiting for the next check."""
+    path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
+    want = await reference(path, body)
+    spare_ready = False
+
+    async def ready(_: web.Request) -> web.Response:
+        return web.Response(status=200 if spare_ready else 503)
+
+    app = web.Application()
+    app.router.add_get("/ready", ready)
+    failing = EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, fault="error", fault_after=5)
+    async with engines(failing, HEALTHY) as (first, spare), serving_app(app) as readiness:
+        flags = (
+            "--ready-url",
+            f"http://127.0.0.1:{first}/health",
+            "--ready-url",
+            f"http://127.0.0.1:{readiness}/ready",
+        )
+        async with gateway(first, spare, flags=(*flags, "--health-interval", "60")) as gw:
+            async with asyncio.timeout(10):
+                while await metric(gw, "spotdrain_gateway_backends_ready") != 1:
+                    await asyncio.sleep(0.05)
+            spare_ready = True  # not seen before the next check, 60 s away
+            started = time.monotonic()
+            async with aiohttp.ClientSession() as session:
+                got = await read_stream(gw.url(path), body, session=session)
+            took = time.monotonic() - started
+            assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="error_event"}') == 1
+            assert await metric(gw, "spotdrain_gateway_backends_ready") == 2
+    assert_same(got, want)
+    assert took < 5.0  # 40 tokens at the fake's pace, one continuation, no pause for a health interval

@@ -130,10 +130,25 @@ def test_a_completion_continues_with_prompt_and_text_and_fewer_tokens() -> None:
 
 def test_a_completion_continues_from_token_ids_when_the_backend_returned_them() -> None:
     splicer = Splicer(chat=False, include_usage=False)
-    splicer.accept(text_chunk(" a", ids=[7], **{}))
-    splicer.accept(text_chunk(" b", ids=[8, 9]))
+    splicer.accept(text_chunk(" a", ids=[7]))
+    splicer.accept(text_chunk(" b", ids=[8]))
     follow = continuation({"prompt": [1, 2]}, splicer, chat=False, path="/v1/completions")
-    assert (follow.body["prompt"], follow.body["max_tokens"], follow.method) == ([1, 2, 7, 8, 9], 16 - 3, "token_ids")
+    assert (follow.body["prompt"], follow.body["max_tokens"], follow.method) == ([1, 2, 7, 8], 16 - 2, "token_ids")
+
+
+def test_a_merged_chunk_is_generated_again_and_its_text_not_sent_twice() -> None:
+    """Its last token may start a character its text leaves out: the continuation starts before the chunk."""
+    splicer = Splicer(chat=False, include_usage=False)
+    splicer.accept(text_chunk(" a", ids=[7]))
+    splicer.accept(text_chunk(" b", ids=[8, 9]))
+    splicer.next_segment()
+    follow = continuation({"prompt": [1, 2]}, splicer, chat=False, path="/v1/completions")
+    assert (follow.body["prompt"], follow.body["max_tokens"]) == ([1, 2, 7], 16 - 1)
+    splicer.rewind()
+    assert splicer.accept(text_chunk(" ", ids=[8])).out == b""  # had it
+    out = json.loads(splicer.accept(text_chunk("bé", ids=[9, 10])).out.removeprefix(b"data: "))
+    assert (out["choices"][0]["text"], out["choices"][0]["token_ids"]) == ("é", [10])
+    assert (splicer.text_so_far, splicer.tokens, list(splicer.token_ids or ())) == (" a bé", 4, [7, 8, 9, 10])
 
 
 def test_a_chat_without_ids_continues_as_a_final_assistant_message_or_extends_the_clients_own() -> None:

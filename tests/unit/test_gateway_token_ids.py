@@ -118,16 +118,18 @@ def test_a_continuation_by_ids_starts_after_the_last_token_that_brought_text() -
     splicer = _cut_after_an_empty_text_token(asked=False)
     body = {"prompt": "x", "max_tokens": 10, "min_tokens": 6}
     assert by_ids(body, splicer, chat=False)
-    splicer.next_segment(rewind=True)
+    splicer.next_segment()
     follow = continuation(body, splicer, chat=False, path=COMPLETIONS)
     assert (follow.method, follow.path) == ("token_ids", COMPLETIONS)
     assert follow.body == {"prompt": [564, 489, 503, 31, 40], "max_tokens": 8, "min_tokens": 4}  # not after 128, 129
-    assert (splicer.tokens, splicer.shown) == (2, 4)
+    splicer.rewind()
+    assert (splicer.tokens, splicer.shown, splicer.behind) == (2, 4, 0)
 
 
 def test_the_regenerated_tokens_are_not_sent_twice_and_are_counted_once() -> None:
     splicer = _cut_after_an_empty_text_token(asked=True)
-    splicer.next_segment(rewind=True)
+    splicer.next_segment()
+    splicer.rewind()
     assert splicer.accept(completion("", [128], prompt=[1, 2])).out == b""  # the client had this chunk already
     out = relayed(splicer.accept(completion("é!", [129, 130])).out)
     assert (out["choices"][0]["text"], out["choices"][0]["token_ids"]) == ("é!", [130])
@@ -155,7 +157,7 @@ def test_a_chat_continues_by_ids_on_completions_without_the_chat_only_fields() -
         "chat_template_kwargs": {"x": 1},
         "stop": ["\n"],
     }
-    splicer.next_segment(rewind=by_ids(body, splicer, chat=True))
+    splicer.next_segment()
     follow = continuation(body, splicer, chat=True, path="/v1/chat/completions")
     assert (follow.path, follow.method, follow.chat) == (COMPLETIONS, "token_ids", False)
     assert follow.body == {
