@@ -101,14 +101,16 @@ class Pool:
         chosen.picked = next(self._picks)
         return chosen
 
-    async def fresh(self, avoid: Collection[str], *, within_s: float) -> None:
-        """Until a backend not in ``avoid`` is ready, or ``within_s`` has passed; readiness is checked again now
-        rather than at the next interval (the spare of a stopping server may have turned ready since)."""
+    async def fresh(self, avoid: Collection[str], *, within_s: float) -> bool:
+        """Whether a backend not in ``avoid`` is ready within ``within_s``; readiness is checked again now rather
+        than at the next interval (the spare of a stopping server may have turned ready since)."""
         self.recheck.set()
         with suppress(TimeoutError):
             async with asyncio.timeout(within_s):
                 while not any(b.ready and b.url not in avoid and b.url not in self.leaving for b in self.backends):
                     await self._readied.wait()
+                return True
+        return False
 
     def _became_ready(self) -> None:
         self._readied.set()

@@ -112,8 +112,8 @@ class _Run:
             if self.broken is not None and (backend is None or backend.url in avoid):
                 # None ready, or only those that failed this request: wait for another, or give one time to recover
                 pause = RETRY_PAUSES_S[min(self.continuations, len(RETRY_PAUSES_S) - 1)]
-                await pool.fresh(avoid, within_s=NO_BACKEND_WAIT_S if backend is None else pause)
-                backend = pool.pick(avoid=avoid)
+                if await pool.fresh(avoid, within_s=NO_BACKEND_WAIT_S if backend is None else pause) or not backend:
+                    backend = pool.pick(avoid=avoid)
             if backend is None:
                 return await self._cut("no_backend", self.broken)
             request = await self._request(backend, original)

@@ -20,8 +20,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from simulate.fakes.engine_config import EngineConfig as EngineConfig  # where the tests and benchmarks take it
 from simulate.fakes.engine_config import parse_flags
 from simulate.fakes.engine_metrics import VllmMetrics
-from simulate.fakes.engine_shutdown import ERROR_EVENT, Shutdown, client_gone, refused
-from simulate.fakes.openai_format import DONE, InvalidRequest, Job, Stream, chunk_size, error_body, read_job
+from simulate.fakes.engine_shutdown import ERROR_EVENT, Shutdown, aborted_at_once, client_gone, refused
+from simulate.fakes.openai_format import (
+    DONE,
+    InvalidRequest,
+    Job,
+    Stream,
+    chunk_size,
+    error_body,
+    read_job,
+    token_id_prompt,
+)
 from simulate.fakes.tokens import Context, Detokenizer
 
 log = structlog.get_logger()
@@ -80,7 +89,7 @@ class FakeEngine:
         if body.get("model", self.config.model) != self.config.model:  # vLLM 0.32.0 (measured)
             message = f"The model `{body['model']}` does not exist. Valid aliases: {self.config.model}."
             return web.json_response(error_body(message, kind="NotFoundError", code=404, param="model"), status=404)
-        if self.shutdown.draining:
+        if self.shutdown.draining and (chat or not token_id_prompt(body)):
             return refused()
         if self.config.fault == "unavailable":
             return web.json_response(
@@ -90,6 +99,8 @@ class FakeEngine:
         prefix = "chatcmpl" if chat else "cmpl"
         identity = f"{prefix}-{next(self._ids):016x}"
         out = Stream(chat, identity, int(time.time()), self.config.model, job.token_ids, job.include_usage)
+        if self.shutdown.draining:
+            return await aborted_at_once(request, job, out)
         if not job.stream:
             return web.json_response(await self._generate_whole(job, out, engine=engine))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -15,7 +15,10 @@ and every open stream of the server ends the same way, one of three (in 7 runs: 
 With ``--shutdown-timeout N`` the engine goes on: ``/health`` answers 200, a new request gets HTTP 500
 ``{"error":{"message":"cannot schedule new futures after shutdown","type":"InternalServerError","param":null,
 "code":500}}``, a stream that ends within N seconds ends normally, and one that does not hangs at N as above (N = 4:
-400-token streams finished at 3.05 s; 1900-token streams sent their last bytes at 4.02 s and hung).
+400-token streams finished at 3.05 s; 1900-token streams sent their last bytes at 4.02 s and hung). A new
+completions request whose prompt is token ids (what a gateway's continuation sends) is not refused but answered 200
+with nothing generated: streamed, only ``data: [DONE]`` (after a usage chunk of 0 completion tokens when it asked for
+usage); whole, one choice with empty text and ``finish_reason: "abort"`` (measured 0.3 s after SIGTERM, N = 6).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import json
 from collections.abc import Sequence
 
 from aiohttp import web
+
+from simulate.fakes.openai_format import DONE, Job, Stream
 
 ENDINGS = ("abort", "error", "hang")
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -44,6 +49,19 @@ REFUSED = {
 def refused() -> web.Response:
     """vLLM's answer to a request that arrives while it drains under --shutdown-timeout."""
     return web.json_response(REFUSED, status=500, dumps=lambda body: json.dumps(body, separators=(",", ":")))
+
+
+async def aborted_at_once(request: web.Request, job: Job, out: Stream) -> web.StreamResponse:
+    """vLLM's answer, while it drains under --shutdown-timeout, to a completions request with a token-id prompt."""
+    if not job.stream:
+        return web.json_response(out.whole("", finish="abort", stop=None, prompt_ids=job.prompt_ids, ids=[]))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    if job.include_usage:
+        await response.write(out.usage(len(job.prompt_ids), 0))
+    await response.write(DONE)
+    await response.write_eof()
+    return response
 
 
 class Shutdown:

@@ -194,6 +194,14 @@ def _prompt_ids(body: dict[str, Any], *, chat: bool) -> tuple[list[int], str]:
     raise _wrong_type("prompt", "a valid string or a valid list (one prompt)")
 
 
+def token_id_prompt(body: dict[str, Any]) -> bool:
+    """Whether a completions body's prompt is token ids (one list of them, or a batch of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(i, int) for i in prompt)
+
+
 def read_job(body: Any, *, chat: bool, max_model_len: int, token_ids: str = "returned") -> Job:
     """The generation a body asks for; raises InvalidRequest where vLLM answers 400 (and, with ``token_ids``
     "refused", where a server that forbids unknown fields refuses ``return_token_ids``).

@@ -152,6 +152,35 @@ async def test_under_a_shutdown_timeout_health_stays_up_new_requests_get_500_and
         assert loop.time() - stopped_at > 1.0
 
 
+async def test_under_a_shutdown_timeout_a_token_id_prompt_gets_a_200_with_nothing_generated() -> None:
+    """What a gateway's continuation by ids meets on a draining vLLM 0.32.0 (measured): no 500, no token."""
+    async with engine(EngineConfig(tokens_per_s=50, shutdown_timeout_s=2.0)) as fake, aiohttp.ClientSession() as s:
+        long = fake.read(s, chat=False, max_tokens=1000)
+        await until(lambda: len(long.data()) >= 2)
+        fake.stop.set()
+        await asyncio.sleep(0.05)
+        url = f"{fake.url}/v1/completions"
+        async with s.post(url, json={"prompt": [5, 6, 7], "max_tokens": 5, "stream": True}) as streamed:
+            assert (streamed.status, await streamed.read()) == (200, b"data: [DONE]\n\n")
+        body = {"prompt": [5, 6, 7], "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(url, json=body) as with_usage:
+            usage, done = (await with_usage.read()).decode().split("\n\n")[:2]
+        assert json.loads(usage.removeprefix("data: "))["usage"] == {
+            "prompt_tokens": 3,
+            "total_tokens": 3,
+            "completion_tokens": 0,
+        }
+        assert done == "data: [DONE]"
+        async with s.post(url, json={"prompt": [[5, 6, 7]], "max_tokens": 5}) as whole:
+            answer = await whole.json()
+        assert whole.status == 200
+        assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == ("", "abort")
+        assert answer["usage"]["completion_tokens"] == 0
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": True}
+        async with s.post(f"{fake.url}/v1/chat/completions", json=chat) as refused:
+            assert refused.status == 500
+
+
 async def test_the_gauges_count_a_request_only_from_its_first_token() -> None:
     async with engine(EngineConfig(tokens_per_s=4)) as fake, aiohttp.ClientSession() as s:
         frames = fake.read(s, chat=False, max_tokens=3)

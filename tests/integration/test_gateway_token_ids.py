@@ -20,9 +20,9 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from gateway.backends import Backend, context_length
-from simulate.fakes.engine import EngineConfig, FakeEngine
+from simulate.fakes.engine import EngineConfig, FakeEngine, serve_engine
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.processes import free_port
+from simulate.fakes.processes import free_port, wait_http
 from simulate.fakes.sse_client import Streamed, read_stream
 from simulate.fakes.tokens import Detokenizer
 from tests.conftest import serving_app
@@ -366,3 +366,27 @@ async def test_a_broken_stream_with_only_its_own_backend_ready_looks_again_for_a
             assert await metric(gw, "spotdrain_gateway_backends_ready") == 2
     assert_same(got, want)
     assert took < 5.0  # 40 tokens at the fake's pace, one continuation, no pause for a health interval
+
+
+async def test_a_continuation_answered_with_nothing_by_a_draining_engine_goes_on_elsewhere() -> None:
+    """Under --shutdown-timeout vLLM answers a token-id prompt 200 with only [DONE]: not an end for the client."""
+    path, body = COMPLETION[0], {**COMPLETION[1], **USAGE, "max_tokens": 12}
+    want = await reference(path, body)
+    failing = EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, fault="drop", fault_after=7)
+    stop, port = asyncio.Event(), free_port()
+    config = EngineConfig(tokens_per_s=20, shutdown_timeout_s=30.0)
+    draining = asyncio.create_task(serve_engine(config, host="127.0.0.1", port=port, stop=stop))
+    async with engines(failing) as (first,), aiohttp.ClientSession() as session:
+        await wait_http(f"http://127.0.0.1:{port}/health")
+        held = asyncio.create_task(
+            read_stream(f"http://127.0.0.1:{port}{path}", {**body, "max_tokens": 1000}, session=session)
+        )
+        await asyncio.sleep(0.3)
+        stop.set()  # SIGTERM: it drains the held stream, /health stays 200
+        async with gateway(first, port, flags=("--migration-limit", "4")) as gw:
+            got = await read_stream(gw.url(path), body, session=session)
+            assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="reset"}') >= 1
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+    await asyncio.wait_for(draining, 10)
+    assert_same(got, want)
