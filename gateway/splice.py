@@ -182,7 +182,11 @@ class Splicer:
 
     def _new_text(self, piece: str) -> str:
         """What of ``piece`` the client does not have yet (after a rewind, the backend first says it again)."""
-        skip = min(self.behind, len(piece.encode(errors="surrogatepass")))  # JSON may carry lone surrogates
+        encoded = piece.encode(errors="surrogatepass")  # JSON may carry lone surrogates
+        if not self.behind:
+            self.text += encoded
+            return piece
+        skip = min(self.behind, len(encoded))
         self.behind -= skip
         for at, char in enumerate(piece):
             if skip <= 0:
