@@ -11,7 +11,7 @@ import itertools
 import signal
 import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 
 import structlog
 from aiohttp import web
@@ -25,6 +25,7 @@ from simulate.fakes.openai_format import (
     DONE,
     InvalidRequest,
     Job,
+    Output,
     Stream,
     chunk_size,
     error_body,
@@ -34,6 +35,9 @@ from simulate.fakes.openai_format import (
 from simulate.fakes.tokens import Context, Detokenizer
 
 log = structlog.get_logger()
+
+# Mixed into the context of each choice after the first (``n`` > 1), so each is a sample of its own.
+SAMPLE_SALT = 1 << 40
 
 
 class FakeEngine:
@@ -109,27 +113,51 @@ class FakeEngine:
         return response
 
     async def _generate_whole(self, job: Job, out: Stream, *, engine: int) -> dict[str, object]:
-        ids: list[int] = []
-        texts: list[str] = []
-        finish, stop = "length", None
-        async with aclosing(self._tokens(job, engine=engine)) as tokens:
-            async for token, text, finish_now, stop_now in tokens:
-                ids.append(token)
-                texts.append(text)
-                if finish_now is not None:
-                    finish, stop = finish_now, stop_now
-        return out.whole("".join(texts), finish=finish, stop=stop, prompt_ids=job.prompt_ids, ids=ids)
+        ids: list[list[int]] = [[] for _ in range(job.n)]
+        texts: list[list[str]] = [[] for _ in range(job.n)]
+        ends: list[tuple[str, str | None]] = [("length", None)] * job.n
+        async with aclosing(self._steps(job, engine=engine)) as steps:
+            async for index, token, text, finish, stop in steps:
+                ids[index].append(token)
+                texts[index].append(text)
+                if finish is not None:
+                    ends[index] = (finish, stop)
+        outputs = [Output("".join(t), f, s, i) for t, (f, s), i in zip(texts, ends, ids, strict=True)]
+        return out.whole(outputs, prompt_ids=job.prompt_ids)
 
-    async def _tokens(self, job: Job, *, engine: int) -> AsyncGenerator[tuple[int, str, str | None, str | None]]:
-        """The engine's steps: (token, its text, finish_reason, stop_reason), paced, counted.
+    async def _steps(self, job: Job, *, engine: int) -> AsyncGenerator[tuple[int, int, str, str | None, str | None]]:
+        """Every choice's steps, a token of each in turn: (choice, token, text, finish_reason, stop_reason), as vLLM
+        0.32.0 streams ``n`` choices (measured: one choice per chunk, by index, interleaved step by step)."""
+        async with AsyncExitStack() as stack:
+            live = {
+                i: await stack.enter_async_context(aclosing(self._tokens(job, engine=engine, choice=i)))
+                for i in range(job.n)
+            }
+            while live:
+                for index, tokens in list(live.items()):
+                    try:
+                        token, text, finish, stop = await anext(tokens)
+                    except StopAsyncIteration:
+                        del live[index]
+                        continue
+                    yield index, token, text, finish, stop
+
+    async def _tokens(
+        self, job: Job, *, engine: int, choice: int = 0
+    ) -> AsyncGenerator[tuple[int, str, str | None, str | None]]:
+        """One choice's steps: (token, its text, finish_reason, stop_reason), paced, counted. Choices after the first
+        are samples of their own: their context starts from another state.
 
         A stop string ends the generation where it appears in the text, inside a token too, and is left out of the
         text (vLLM's default ``include_stop_str_in_output: false``); the token that completed it is still counted
         and returned among the ids, as vLLM 0.32.0 does (measured)."""
         labels = self.labels(engine)
         context = Context(job.prompt_ids, partial_utf8=self.config.partial_utf8)
+        if choice:
+            context.push(SAMPLE_SALT + choice)
         detokenizer = Detokenizer(job.prompt_ids)
-        self.metrics.prompt_tokens.labels(**labels).inc(max(1, len(job.prompt_ids)))
+        if choice == 0:
+            self.metrics.prompt_tokens.labels(**labels).inc(max(1, len(job.prompt_ids)))
         last = time.monotonic()
         generated = 0
         text = ""
@@ -172,31 +200,36 @@ class FakeEngine:
             generated = 0
             leaked = released = False
             try:
-                first = out.first(role=job.role, prompt_ids=job.prompt_ids)
-                if first is not None:
-                    await response.write(first)
-                texts: list[str] = []
-                ids: list[int] = []  # steps not sent yet
-                async with aclosing(self._tokens(job, engine=engine)) as tokens:
-                    async for token, text, finish, stop in tokens:
+                for index in range(job.n):
+                    if (first := out.first(role=job.role, prompt_ids=job.prompt_ids, index=index)) is not None:
+                        await response.write(first)
+                sent = [0] * job.n
+                pending: dict[int, tuple[list[str], list[int]]] = {}  # steps not sent yet, by choice
+                async with aclosing(self._steps(job, engine=engine)) as steps:
+                    async for index, token, text, finish, stop in steps:
                         if self.shutdown.ending is not None:
                             self.cut += 1
                             await self._fault(self.shutdown.ending, request, response, job, out, generated=generated)
                             return
-                        fault = self.config.fault if self._faults_at(generated + len(ids)) else None
+                        held = sum(len(ids) for _, ids in pending.values())
+                        fault = self.config.fault if self._faults_at(generated + held) else None
                         if fault is not None and await self._fault(
                             fault, request, response, job, out, generated=generated
                         ):
                             return
+                        texts, ids = pending.setdefault(index, ([], []))
                         texts.append(text)
                         ids.append(token)
                         if finish is None and len(ids) < chunk_size(ids[0], self.config.merge_steps):
                             continue
-                        first_ids = job.prompt_ids if generated == 0 else None
-                        chunk = out.token("".join(texts), ids, finish=finish, stop=stop, prompt_ids=first_ids)
+                        first_ids = job.prompt_ids if sent[index] == 0 else None
+                        chunk = out.token(
+                            "".join(texts), ids, finish=finish, stop=stop, prompt_ids=first_ids, index=index
+                        )
                         await response.write(chunk)
+                        sent[index] += len(ids)
                         generated += len(ids)
-                        texts, ids = [], []
+                        del pending[index]
                 if self.config.linger_s > 0:
                     self.running[engine] -= 1
                     released = True
@@ -234,7 +267,8 @@ class FakeEngine:
                 request.transport.abort()
             return True
         if fault == "abort":  # what vLLM streams for a request it aborted (finish_reason "abort"), then usage, [DONE]
-            await response.write(out.token("", [], finish="abort", stop=None, prompt_ids=None))
+            for index in range(job.n):
+                await response.write(out.token("", [], finish="abort", stop=None, prompt_ids=None, index=index))
             if job.include_usage:
                 await response.write(out.usage(len(job.prompt_ids), generated))
         elif fault == "error":  # vLLM's streaming error event when its engine core died, then [DONE]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from simulate.fakes.openai_format import DONE, Job, Stream
+from simulate.fakes.openai_format import DONE, Job, Output, Stream
 
 ENDINGS = ("abort", "error", "hang")
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -54,7 +54,7 @@ def refused() -> web.Response:
 async def aborted_at_once(request: web.Request, job: Job, out: Stream) -> web.StreamResponse:
     """vLLM's answer, while it drains under --shutdown-timeout, to a completions request with a token-id prompt."""
     if not job.stream:
-        return web.json_response(out.whole("", finish="abort", stop=None, prompt_ids=job.prompt_ids, ids=[]))
+        return web.json_response(out.whole([Output("", "abort", None, [])], prompt_ids=job.prompt_ids))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
     if job.include_usage:

@@ -63,29 +63,36 @@ class Stream:
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
 
-    def first(self, *, role: str, prompt_ids: list[int]) -> bytes | None:
+    def first(self, *, role: str, prompt_ids: list[int], index: int = 0) -> bytes | None:
         """The chat role delta (completions have none; their prompt ids ride on the first token's chunk)."""
         if not self.chat:
             return None
-        choice = {"index": 0, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
         chunk = self._envelope([choice])
         chunk["prompt_token_ids"] = prompt_ids if self.token_ids else None
         chunk["prompt_text"] = None
         return sse(chunk)
 
     def token(
-        self, text: str, ids: list[int], *, finish: str | None, stop: str | None, prompt_ids: list[int] | None
+        self,
+        text: str,
+        ids: list[int],
+        *,
+        finish: str | None,
+        stop: str | None,
+        prompt_ids: list[int] | None,
+        index: int = 0,
     ) -> bytes:
-        """One engine step: its text, and ``finish_reason`` when it is the last."""
+        """One engine step of choice ``index``: its text, and ``finish_reason`` when it is the last."""
         token_ids = ids if self.token_ids else None
         choice: dict[str, Any]
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop
             choice["token_ids"] = token_ids
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop}
             choice["prompt_token_ids"] = prompt_ids if self.token_ids else None
             choice["token_ids"] = token_ids
         chunk = self._envelope([choice])
@@ -99,29 +106,43 @@ class Stream:
         chunk["system_fingerprint"] = FINGERPRINT
         return sse(chunk)
 
-    def whole(
-        self, text: str, *, finish: str, stop: str | None, prompt_ids: list[int], ids: list[int]
-    ) -> dict[str, Any]:
-        """The non-streamed response: one choice with all the text, and usage, with every field vLLM 0.32.0 sends
-        (its pydantic models dumped whole: unset fields as null)."""
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text, **dict.fromkeys(CHAT_MESSAGE_NULLS)}
-            choice.update(logprobs=None, finish_reason=finish, stop_reason=stop)
-            choice.update(token_ids=ids if self.token_ids else None, routed_experts=None)
-        else:
-            choice.update(text=text, logprobs=None, finish_reason=finish, stop_reason=stop)
-            choice.update(token_ids=ids if self.token_ids else None, prompt_logprobs=None)
-            choice.update(prompt_token_ids=prompt_ids if self.token_ids else None, routed_experts=None)
-        body = self._envelope([choice])
+    def whole(self, outputs: list[Output], *, prompt_ids: list[int]) -> dict[str, Any]:
+        """The non-streamed response: one choice per output with all its text, and usage (the prompt counted once,
+        every choice's tokens), with every field vLLM 0.32.0 sends (its pydantic models dumped whole: unset fields
+        as null)."""
+        body = self._envelope([self._whole_choice(index, o, prompt_ids) for index, o in enumerate(outputs)])
         body["object"] = "chat.completion" if self.chat else "text_completion"
         body.update(service_tier=None, system_fingerprint=FINGERPRINT)
-        body["usage"] = {**usage(len(prompt_ids), len(ids)), "prompt_tokens_details": None}
+        generated = sum(len(o.ids) for o in outputs)
+        body["usage"] = {**usage(len(prompt_ids), generated), "prompt_tokens_details": None}
         body["usage"]["completion_tokens_details"] = None
         if self.chat:
             body.update(prompt_logprobs=None, prompt_token_ids=prompt_ids if self.token_ids else None, prompt_text=None)
         body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return body
+
+    def _whole_choice(self, index: int, output: Output, prompt_ids: list[int]) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        ids = output.ids if self.token_ids else None
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": output.text, **dict.fromkeys(CHAT_MESSAGE_NULLS)}
+            choice.update(logprobs=None, finish_reason=output.finish, stop_reason=output.stop)
+            choice.update(token_ids=ids, routed_experts=None)
+        else:
+            choice.update(text=output.text, logprobs=None, finish_reason=output.finish, stop_reason=output.stop)
+            choice.update(token_ids=ids, prompt_logprobs=None)
+            choice.update(prompt_token_ids=prompt_ids if self.token_ids else None, routed_experts=None)
+        return choice
+
+
+@dataclass(frozen=True)
+class Output:
+    """One choice of a whole response."""
+
+    text: str
+    finish: str
+    stop: str | None
+    ids: list[int]
 
 
 CHAT_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
@@ -154,6 +175,7 @@ class Job:
     include_usage: bool
     token_ids: bool
     role: str  # the chat role of the reply
+    n: int = 1  # choices, each its own generation
 
 
 def _stop(body: dict[str, Any]) -> frozenset[str]:
@@ -229,8 +251,13 @@ def read_job(body: Any, *, chat: bool, max_model_len: int, token_ids: str = "ret
         )
     if limit > room:
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens.")
-    if _greedy(body) and _count(body.get("n", 1)) > 1:
-        raise InvalidRequest(f"n must be 1 when using greedy sampling, got {body['n']}.")
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise _wrong_type("n", "a valid integer")
+    if n < 1:
+        raise InvalidRequest(f"n must be at least 1, got {n}.", param="n")
+    if _greedy(body) and n > 1:
+        raise InvalidRequest(f"n must be 1 when using greedy sampling, got {n}.")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidRequest("stream_options must be an object")
@@ -242,11 +269,8 @@ def read_job(body: Any, *, chat: bool, max_model_len: int, token_ids: str = "ret
         include_usage=bool(options.get("include_usage", False)) and bool(body.get("stream", False)),
         token_ids=token_ids == "returned" and bool(body.get("return_token_ids", False)),
         role=role,
+        n=n,
     )
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 def _greedy(body: dict[str, Any]) -> bool:

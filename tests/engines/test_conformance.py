@@ -80,6 +80,8 @@ def kind(frame: Frame, *, chat: bool) -> str:
         return "role"
     if choice.get("finish_reason") is not None:
         return "last"
+    if choice.get("prompt_token_ids") is not None:  # a choice's first token, whatever its text
+        return "first"
     text = choice["delta"].get("content") if chat else choice.get("text")
     return "token" if text else "empty-token"
 
@@ -92,8 +94,19 @@ def stream_shapes(frames: list[Frame], *, chat: bool) -> dict[str, list[str]]:
     return {name: sorted(found) for name, found in by_kind.items()}
 
 
-def order(frames: list[Frame], *, chat: bool) -> list[str]:
-    """The kinds in the order they came, repeats folded: role, tokens, last, usage, done."""
+def order(frames: list[Frame], *, chat: bool) -> list[list[str]]:
+    """The kinds in the order they came, repeats folded, choice by choice (role, tokens, last; several choices
+    interleave as the engine schedules them), then what follows them all (usage, done)."""
+    indexes = sorted({f["choices"][0]["index"] for f in frames if isinstance(f, dict) and f.get("choices")})
+    by_choice: list[list[Frame]] = [
+        [f for f in frames if isinstance(f, dict) and f.get("choices") and f["choices"][0]["index"] == index]
+        for index in indexes
+    ]
+    rest: list[Frame] = [f for f in frames if not (isinstance(f, dict) and f.get("choices"))]
+    return [_folded(part, chat=chat) for part in (*by_choice, rest)]
+
+
+def _folded(frames: list[Frame], *, chat: bool) -> list[str]:
     kinds: list[str] = []
     for frame in frames:
         name = kind(frame, chat=chat).replace("empty-token", "token")
@@ -104,6 +117,8 @@ def order(frames: list[Frame], *, chat: bool) -> list[str]:
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "the node drains", "max_tokens": 12, "temperature": 0}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello node"}], "max_tokens": 12}
+# Two sampled choices (a greedy n > 1 is refused); no end-of-sequence token, so both run to max_tokens.
+SAMPLED = {"n": 2, "temperature": 1.0, "seed": 7, "ignore_eos": True}
 STREAMED = [
     ("completions", "/v1/completions", {**COMPLETION, "stream": True}),
     ("completions-usage", "/v1/completions", {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}),
@@ -111,11 +126,19 @@ STREAMED = [
     ("chat", "/v1/chat/completions", {**CHAT, "stream": True}),
     ("chat-usage", "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True}}),
     ("chat-ids", "/v1/chat/completions", {**CHAT, "stream": True, "return_token_ids": True}),
+    ("completions-n", "/v1/completions", {**COMPLETION, **SAMPLED, "stream": True, "return_token_ids": True}),
+    (
+        "chat-n-usage",
+        "/v1/chat/completions",
+        {**CHAT, **SAMPLED, "stream": True, "stream_options": {"include_usage": True}},
+    ),
 ]
 WHOLE = [
     ("completions", "/v1/completions", COMPLETION),
     ("completions-ids", "/v1/completions", {**COMPLETION, "return_token_ids": True}),
     ("chat", "/v1/chat/completions", CHAT),
+    ("completions-n", "/v1/completions", {**COMPLETION, **SAMPLED}),
+    ("chat-n", "/v1/chat/completions", {**CHAT, **SAMPLED}),
 ]
 # Requests vLLM refuses: the status and the error body's type, code and param must match too.
 REFUSED = [
@@ -125,6 +148,17 @@ REFUSED = [
     ("greedy-n", "/v1/completions", {**COMPLETION, "n": 2}),
     ("bad-stop", "/v1/completions", {**COMPLETION, "stop": 3}),
 ]
+
+
+def choices(frames: list[Frame]) -> tuple[set[int], set[int]]:
+    """The choice indexes the chunks carry, and how many choices a chunk holds (one: they interleave)."""
+    held = [f["choices"] for f in frames if isinstance(f, dict) and f.get("choices")]
+    return {c["index"] for choice in held for c in choice}, {len(choice) for choice in held}
+
+
+def completion_tokens(frames: list[Frame]) -> list[int]:
+    """What the usage chunk counts as generated (the prompts' counts differ: each has its own tokenizer)."""
+    return [f["usage"]["completion_tokens"] for f in frames if isinstance(f, dict) and f.get("usage")]
 
 
 async def _both(real_url: str, fake_url: str, path: str, body: dict[str, Any]) -> tuple[Answer, Answer]:
@@ -142,6 +176,8 @@ async def test_streamed_frames_match_real_vllm(
     assert isinstance(fake, list)
     assert order(fake, chat=chat) == order(real, chat=chat)
     assert stream_shapes(fake, chat=chat) == stream_shapes(real, chat=chat)
+    assert choices(fake) == choices(real)
+    assert completion_tokens(fake) == completion_tokens(real)
 
 
 @pytest.mark.parametrize(("name", "path", "body"), WHOLE + REFUSED, ids=[case[0] for case in WHOLE + REFUSED])

@@ -252,3 +252,28 @@ async def test_an_unavailable_engine_answers_503_before_any_stream() -> None:
     ):
         assert response.status == 503
         assert (await response.json())["error"]["code"] == 503
+
+
+async def test_sampled_choices_interleave_each_its_own_and_usage_counts_the_prompt_once() -> None:
+    body = {"prompt": "tell me", "n": 3, "temperature": 0.8, "max_tokens": 6, "stream_options": {"include_usage": True}}
+    async with running_engine(FAST) as port:
+        streamed = await events(port, "/v1/completions", {**body, "return_token_ids": True})
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            async with session.post(url, json={**body, "stream": False}) as response:
+                whole = await response.json()
+            for n, param in ((0, "n"), ("2", "body.n")):
+                async with session.post(url, json={**body, "n": n}) as refused:
+                    assert refused.status == 400
+                    assert (await refused.json())["error"]["param"] == param
+    chunks = [c for c in streamed if isinstance(c, dict) and c["choices"]]
+    assert [c["choices"][0]["index"] for c in chunks[:6]] == [0, 1, 2, 0, 1, 2]
+    ids = {
+        i: [t for c in chunks if c["choices"][0]["index"] == i for t in c["choices"][0]["token_ids"]] for i in range(3)
+    }
+    assert all(len(v) == 6 for v in ids.values())
+    assert len({tuple(v) for v in ids.values()}) == 3, "each choice a sample of its own"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[-3:]] == ["length"] * 3
+    assert streamed[-2]["usage"] == {"prompt_tokens": 2, "total_tokens": 20, "completion_tokens": 18}
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert whole["usage"]["completion_tokens"] == 18

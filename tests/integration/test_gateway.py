@@ -428,3 +428,33 @@ async def test_a_stream_moves_off_a_backend_before_its_nodes_termination_time(
             assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="proactive"}') == 1
             assert await metric(gw, 'spotdrain_gateway_requests_total{outcome="continued"}') == 1
     assert_spliced(got, want, chat=True)
+
+
+SAMPLED_N = {"n": 2, "temperature": 1.0, **USAGE}
+
+
+@pytest.mark.parametrize(("path", "body"), [COMPLETION, CHAT], ids=["completions", "chat"])
+async def test_several_choices_are_relayed_as_the_engine_sends_them(path: str, body: dict[str, Any]) -> None:
+    body = {**body, **SAMPLED_N}
+    want = await reference(path, body)
+    async with engines(HEALTHY) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
+        got = await read_stream(gw.url(path), body, session=session)
+    assert [c["choices"] for c in got.chunks] == [c["choices"] for c in want.chunks]
+    assert {c["choices"][0]["index"] for c in got.chunks if c["choices"]} == {0, 1}
+    assert got.finish_reasons == ["length", "length"]
+    assert got.usage == want.usage
+    assert got.done == 1
+
+
+async def test_a_broken_stream_of_several_choices_is_cut_not_continued() -> None:
+    path, body = COMPLETION[0], {**COMPLETION[1], **SAMPLED_N}
+    async with (
+        engines(faulty("drop"), HEALTHY) as ports,
+        gateway(*ports) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        got = await read_stream(gw.url(path), body, session=session)
+        assert await metric(gw, 'spotdrain_gateway_cuts_total{reason="multiple_choices"}') == 1
+    assert {c["choices"][0]["index"] for c in got.chunks if c.get("choices")} == {0, 1}
+    assert len(got.errors) == 1
+    assert (got.done, got.finish_reasons) == (1, [])
