@@ -19,9 +19,11 @@ def test_a_simulated_interruption_on_real_vllm_keeps_every_stream(tmp_path: Path
         timeout=600,
         cwd=tmp_path,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout)
-    assert result["passed"], result["checks"]
+    result = json.loads(done.stdout) if done.stdout.strip().startswith("{") else None
+    failed = [c for c in result["checks"] if not c["passed"]] if result else done.stderr[-2000:]
+    assert done.returncode == 0, failed
+    assert result is not None
+    assert result["passed"], failed
     summary = result["summary"]
     assert summary["started"] >= 2
     assert summary["completed"] == summary["started"]
