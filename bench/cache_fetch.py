@@ -359,6 +359,7 @@ def document(options: Options) -> dict[str, Any]:
         "cores": os.cpu_count(),
         "load_average_at_start": round(load, 2),
         **made_on,
+        "load_average_at_end": round(os.getloadavg()[0], 2),
         "rows": [asdict(row) for row in table],
         "results": [asdict(result) for result in targets(table)],
     }

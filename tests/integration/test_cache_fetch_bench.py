@@ -119,3 +119,41 @@ def test_a_copy_with_its_parts_at_each_others_offsets_or_a_failed_run_gets_no_fi
         assert (spans[0][0], spans[-1][1]) == (0, len(data) - 8 - length)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
         assert length % 8 == 0
+
+
+TARGETS = """
+import json
+from dataclasses import asdict
+from bench.cache_fetch import EVERY_GET, ONE_GET, Row, targets
+
+def rows(ours_default, ours_tuned, *, source, rss=120.0):
+    ours = [Row("spotdrain", "default", mib_per_s=ours_default, peak_rss_mb=rss)]
+    ours.append(Row("spotdrain", "tuned", skipped="run 1 exited with 2: no --concurrency") if ours_tuned is None
+                else Row("spotdrain", "tuned", mib_per_s=ours_tuned, peak_rss_mb=rss))
+    return ours + [
+        Row("s5cmd", "default", mib_per_s=500.0), Row("s5cmd", "tuned", mib_per_s=600.0),
+        Row("disk", "sequential write", mib_per_s=550.0), Row("source", ONE_GET, mib_per_s=source),
+        Row("source", EVERY_GET, skipped="curl is not installed here"),
+    ]
+
+print(json.dumps([
+    {r.name: asdict(r) for r in targets(rows(520.0, 540.0, source=900.0))},
+    {r.name: asdict(r) for r in targets(rows(490.0, None, source=400.0, rss=151.0))},
+]))
+"""
+
+
+def test_each_target_is_judged_only_where_both_of_its_figures_were_measured() -> None:
+    fast, slow = run_code(TARGETS)
+    assert fast["cache_fetch_vs_s5cmd_default"]["value"] == 1.04
+    assert fast["cache_fetch_vs_s5cmd_default"]["passed"] is True
+    assert (fast["cache_fetch_vs_s5cmd_tuned"]["value"], fast["cache_fetch_vs_s5cmd_tuned"]["passed"]) == (0.9, False)
+    assert fast["cache_fetch_share_of_disk_write"]["value"] == round(540 / 550, 3)  # ours at its best, tuned
+    assert fast["cache_fetch_share_of_disk_write"]["passed"] is True
+    assert fast["cache_fetch_peak_rss"]["passed"] is True
+    assert slow["cache_fetch_vs_s5cmd_default"]["passed"] is False
+    assert slow["cache_fetch_vs_s5cmd_tuned"]["skipped"] == "ours: run 1 exited with 2: no --concurrency"
+    assert slow["cache_fetch_share_of_disk_write"]["skipped"] == (
+        "the source (400.0 MiB/s) is not faster than the disk (550.0 MiB/s)"
+    )
+    assert (slow["cache_fetch_peak_rss"]["value"], slow["cache_fetch_peak_rss"]["passed"]) == (151.0, False)
