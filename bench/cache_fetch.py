@@ -405,7 +405,7 @@ async def measure() -> list[Result]:
 
 
 def parse(argv: list[str]) -> tuple[Options, Path | None]:
-    parser = argparse.ArgumentParser(prog="python -m bench.cache_fetch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cache_fetch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gib", type=float, default=2.0, help="the model's total size (default 2)")
     parser.add_argument("--files", type=int, default=4, help="safetensors files in the model (default 4)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each tool; the best counts (default 3)")
