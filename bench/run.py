@@ -12,6 +12,7 @@ import sys
 from bench import (
     burst,
     cache,
+    cache_fetch,
     faults,
     fleet,
     footprint,
@@ -37,6 +38,7 @@ async def run(names: set[str]) -> list[Result]:
         ("node", node),
         ("burst", burst),
         ("cache", cache),
+        ("cache_fetch", cache_fetch),
         ("fleet", fleet),
         ("waiting", waiting),
         ("faults", faults),

