@@ -29,7 +29,6 @@ from agent.cache.fetch.transfer import FetchError, disk_error
 from spotdrain.settings import log_effective
 
 log = structlog.get_logger()
-WAIT_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 async def fetch(settings: FetchSettings) -> Path:
@@ -88,6 +87,7 @@ async def _fetch_locked(settings: FetchSettings) -> None:
             timeout=timeout,
             concurrency=settings.concurrency,
             progress=progress,
+            backoff_s=settings.backoff_s,
         )
         shown = asyncio.create_task(reporter(progress, name=settings.name, interval_s=settings.progress_interval_s))
         try:
@@ -160,7 +160,7 @@ async def fetch_until_done(settings: FetchSettings) -> Path:
         except FetchError as error:
             if not (settings.wait and error.transient):
                 raise
-            delay = WAIT_BACKOFF_S[min(attempt, len(WAIT_BACKOFF_S) - 1)]
+            delay = settings.wait_backoff_s[min(attempt, len(settings.wait_backoff_s) - 1)]
             attempt += 1
             log.warning(
                 "cache.fetch_retry", name=settings.name, error=str(error), reason=error.reason, retry_in_s=delay

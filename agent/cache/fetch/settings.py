@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.cache.fetch.sources import Source, parse_source
+from spotdrain.retry import BACKOFF_S
 from spotdrain.settings import SettingsError, add_flag, add_switch, http_url, positive_int, require, seconds
 
 # A directory name under <cache>/models: no separators, no dot first (.staging and .locks live beside the models).
@@ -27,6 +28,8 @@ class FetchSettings:
     wait: bool
     request_timeout_s: float  # no byte for this long ends a request (connect, or between reads)
     progress_interval_s: float  # log lines when stderr is not a terminal
+    backoff_s: tuple[float, ...] = BACKOFF_S  # between attempts of one request
+    wait_backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)  # between whole fetches, with --wait
 
     @property
     def models(self) -> Path:
