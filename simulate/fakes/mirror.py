@@ -49,6 +49,7 @@ class FaultyServer:
     _faults: list[tuple[str, str]] = field(default_factory=list)
     _session: aiohttp.ClientSession | None = None
     _closing: asyncio.Event = field(default_factory=asyncio.Event)
+    _digests: dict[str, tuple[bytes, str, str]] = field(default_factory=dict)  # path: (content, git sha1, sha256)
 
     def fail(self, kind: str, path: str, *, times: int = 1) -> None:
         """Answer the next ``times`` GETs whose path ends with ``path`` with the fault ``kind``."""
@@ -103,16 +104,25 @@ class FaultyServer:
         for path, data in sorted(self.files.items()):
             if path in self.unlisted:
                 continue
-            sibling: dict[str, object] = {"rfilename": path, "size": len(data), "blobId": _git_sha1(data)}
+            blob, sha256 = self._hashes(path, data)
+            sibling: dict[str, object] = {"rfilename": path, "size": len(data), "blobId": blob}
             if path.endswith(LFS_SUFFIXES):
-                sibling["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                sibling["lfs"] = {"sha256": sha256, "size": len(data), "pointerSize": 134}
             siblings.append(sibling)
         return siblings
 
+    def _hashes(self, path: str, data: bytes) -> tuple[str, str]:
+        """The git blob id and SHA-256 of a file, computed once for each content it is given."""
+        known = self._digests.get(path)
+        if known is None or known[0] is not data:
+            known = self._digests[path] = (data, _git_sha1(data), hashlib.sha256(data).hexdigest())
+        return known[1], known[2]
+
     async def _serve(self, request: web.Request, data: bytes, path: str, fault: str | None) -> web.StreamResponse:
-        headers = {"Accept-Ranges": "bytes", "ETag": f'"{_git_sha1(data)}"'}
+        blob, sha256 = self._hashes(path, data)
+        headers = {"Accept-Ranges": "bytes", "ETag": f'"{blob}"'}
         if path.endswith(LFS_SUFFIXES):
-            headers["ETag"] = headers["X-Linked-Etag"] = f'"{hashlib.sha256(data).hexdigest()}"'
+            headers["ETag"] = headers["X-Linked-Etag"] = f'"{sha256}"'
         status, body = 200, data
         match = _RANGE.fullmatch(request.headers.get("Range", ""))
         if match is not None:

@@ -76,10 +76,19 @@ class S3Listing:
         return objects, region
 
     def _head(self, key: str) -> dict[str, Any]:
-        # Part 1's length is the part size a multipart ETag was computed over; a one-part object answers whole.
-        answer: dict[str, Any] = self.client.head_object(
-            Bucket=self.source.bucket, Key=key, PartNumber=1, ChecksumMode="ENABLED"
-        )
+        """HEAD of part 1: its length is the part size a multipart ETag was computed over (a one-part object answers
+        whole). A server that does not take ``partNumber`` is asked plainly; its multipart ETags then go unchecked."""
+        from botocore.exceptions import ClientError
+
+        try:
+            answer: dict[str, Any] = self.client.head_object(
+                Bucket=self.source.bucket, Key=key, PartNumber=1, ChecksumMode="ENABLED"
+            )
+        except ClientError as error:
+            if error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") not in (400, 416, 501):
+                raise
+            answer = self.client.head_object(Bucket=self.source.bucket, Key=key, ChecksumMode="ENABLED")
+            answer["ContentLength"] = 0
         return answer
 
     def _file(self, item: dict[str, Any], head: dict[str, Any]) -> RemoteFile:
