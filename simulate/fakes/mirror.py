@@ -43,7 +43,7 @@ class FaultyServer:
     revision: str = "main"
     upstream: str | None = None  # forward everything here instead of serving files
     chunk_delay_s: float = 0.0  # a pause after every 64 KiB of a body, to make a transfer last
-    unlisted: set[str] = field(default_factory=set)  # paths served but left out of the model info
+    sizeless: set[str] = field(default_factory=set)  # paths listed by name alone (as without ?blobs=true)
     listed_only: set[str] = field(default_factory=set)  # paths in the model info that are not served
     requests: list[Seen] = field(default_factory=list)
     _faults: list[tuple[str, str]] = field(default_factory=list)
@@ -102,7 +102,8 @@ class FaultyServer:
     def _siblings(self) -> list[dict[str, object]]:
         siblings: list[dict[str, object]] = []
         for path, data in sorted(self.files.items()):
-            if path in self.unlisted:
+            if path in self.sizeless:
+                siblings.append({"rfilename": path})
                 continue
             blob, sha256 = self._hashes(path, data)
             sibling: dict[str, object] = {"rfilename": path, "size": len(data), "blobId": blob}

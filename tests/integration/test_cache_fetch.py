@@ -236,9 +236,14 @@ async def test_a_mirror_model_is_checked_by_sha256_and_git_blob_ids(
 async def test_a_mirror_file_without_size_in_the_listing_is_asked_for_it(
     cache: Path, mirror: tuple[FaultyServer, str]
 ) -> None:
-    mirror[0].unlisted.add("big.bin")  # not in siblings: the fetch does not know of it
+    mirror[0].sizeless |= {"big.bin", "config.json"}
     await fetch(mirror_settings(mirror, cache))
-    assert not (cache / "models" / "llama" / "big.bin").exists()
+    record = assert_published_whole(cache)
+    heads = [seen.path.rpartition("/")[2] for seen in mirror[0].requests if seen.method == "HEAD"]
+    assert sorted(heads) == ["big.bin", "config.json"]
+    kinds = {entry["path"]: entry["checksum"]["kind"] for entry in record["files"]}
+    assert kinds["big.bin"] == "sha256"  # from X-Linked-Etag
+    assert kinds["config.json"] == "git-sha1"  # from the ETag, as the Hub sends a small file's
 
 
 async def test_a_safetensors_file_whose_header_does_not_parse_is_never_published(

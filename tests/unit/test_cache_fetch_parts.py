@@ -76,6 +76,7 @@ def test_a_mirror_says_sha256_in_its_etags_and_its_listing() -> None:
     sha = "a" * 64
     assert http_checksums({"x-linked-etag": f'"{sha}"'}) == (Checksum("sha256", sha),)
     assert http_checksums({"etag": f'W/"{sha}"'}) == (Checksum("sha256", sha),)
+    assert http_checksums({"etag": f'"{"c" * 40}"'}) == (Checksum("git-sha1", "c" * 40),)
     assert http_checksums({"etag": '"12-abc"'}) == ()
     answer = {
         "siblings": [

@@ -124,12 +124,14 @@ def s3_checksums(*, etag: str, part_size: int, sha256_b64: str | None, encrypted
 
 
 def http_checksums(headers: dict[str, str]) -> tuple[Checksum, ...]:
-    """A SHA-256 from a mirror's answer: the Hub sends it as ``X-Linked-Etag`` on LFS files, and as the ETag of the
-    file itself once redirected; an ETag that is not 64 hex digits says nothing about the content."""
+    """What a mirror's answer says of the content, read as huggingface_hub reads the Hub's (``X-Linked-Etag``, else
+    ``ETag``): 64 hex digits are an LFS file's SHA-256, 40 a git blob id; any other ETag says nothing."""
     for name in ("x-linked-etag", "etag"):
         value = headers.get(name, "").removeprefix("W/").strip('"').lower()
         if _SHA256.fullmatch(value):
             return (Checksum("sha256", value),)
+        if _SHA1.fullmatch(value):
+            return (Checksum("git-sha1", value),)
     return ()
 
 
