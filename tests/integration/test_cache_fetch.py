@@ -233,6 +233,17 @@ async def test_a_mirror_model_is_checked_by_sha256_and_git_blob_ids(
     assert mirror[0].ranges("config.json") == [f"bytes=0-{len(MODEL['config.json']) - 1}"]
 
 
+async def test_a_mirror_that_drops_and_corrupts_once_still_gives_the_identical_model(
+    cache: Path, mirror: tuple[FaultyServer, str]
+) -> None:
+    mirror[0].fail("drop", "big.bin")
+    mirror[0].fail("wrong", "model-00001-of-00002.safetensors")
+    await fetch(mirror_settings(mirror, cache))
+    assert_published_whole(cache)
+    assert len(mirror[0].ranges("big.bin")) == 7 + 1
+    assert len(mirror[0].ranges("model-00001-of-00002.safetensors")) == 2 + 2  # the whole file again
+
+
 async def test_a_mirror_file_without_size_in_the_listing_is_asked_for_it(
     cache: Path, mirror: tuple[FaultyServer, str]
 ) -> None:
@@ -313,9 +324,12 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", str(small)], check=True)
 
 
+@pytest.mark.parametrize("found_at", ["preallocation", "write"])
 async def test_a_full_disk_ends_with_an_error_naming_the_file_and_leaves_no_staging(
-    bucket: str, small_disk: Path, front: tuple[FaultyServer, str]
+    found_at: str, bucket: str, small_disk: Path, front: tuple[FaultyServer, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if found_at == "write":  # a filesystem that cannot preallocate fills up under the writes instead
+        monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, length: None)
     with pytest.raises(FetchError, match=r"the model cache is full") as raised:
         await fetch(s3_settings(bucket, small_disk, front))
     assert raised.value.reason == "disk_full"

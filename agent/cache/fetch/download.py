@@ -9,6 +9,7 @@ again once; a second failure ends the fetch with an error naming it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -100,6 +101,16 @@ class Transfers:
             state.left = len(missing)
             queue.extend(missing)
         try:
+            await self._transfer(states, queue)
+        except BaseException:
+            # What is on disk is kept for the next fetch, if it can be recorded; the failure is what is reported.
+            with contextlib.suppress(OSError):
+                await asyncio.shield(self._checkpoint())
+            raise
+        await self._checkpoint()
+
+    async def _transfer(self, states: list[FileState], queue: deque[Part]) -> None:
+        try:
             async with asyncio.TaskGroup() as group:
                 for state in states:
                     if state.left == 0:
@@ -110,8 +121,6 @@ class Transfers:
             raise errors.exceptions[0] from None
         except* OSError as errors:
             raise errors.exceptions[0] from None
-        finally:
-            await asyncio.shield(self._checkpoint())
 
     async def _worker(self, queue: deque[Part], group: asyncio.TaskGroup) -> None:
         """Takes parts until the queue is empty; raises FetchError for a part that cannot be had."""
