@@ -78,7 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from agent.cache.fetch import settings as fetch_settings
 
     add_cache_arguments(parser)
-    commands = parser.add_subparsers(dest="cache_command", metavar="{fetch}")
+    commands = parser.add_subparsers(
+        dest="cache_command",
+        metavar="{fetch}",
+        help="fetch: fill the cache with a model (without it: prepare the cache)",
+    )
     fetch_settings.add_arguments(
         commands.add_parser("fetch", help="copy one model from S3 or a Hugging Face-style mirror into the cache")
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -86,7 +87,7 @@ class Transfers:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if file.size:
-                await asyncio.to_thread(os.posix_fallocate, fd, 0, file.size)  # a full disk fails here, at once
+                await asyncio.to_thread(_preallocate, fd, file.size)
             os.ftruncate(fd, file.size)
         except OSError as error:
             os.close(fd)
@@ -183,6 +184,16 @@ class Transfers:
             name=self.name, source=self.source, files=self.files, part_size=self.part_size, done=done
         )
         await asyncio.to_thread(write_json, self.staging / PROGRESS, record)
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks, so that a full disk fails here, at once; a filesystem that cannot is written
+    into as it is."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
 
 
 def _fdatasync(fds: list[int]) -> None:

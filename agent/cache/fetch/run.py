@@ -20,7 +20,7 @@ import structlog
 
 from agent.cache.fetch.download import Transfers
 from agent.cache.fetch.listing import MirrorListing, S3Listing
-from agent.cache.fetch.parts import manifest, part_count, resumable
+from agent.cache.fetch.parts import manifest, resumable
 from agent.cache.fetch.progress import Progress, reporter
 from agent.cache.fetch.settings import FetchSettings, from_arguments
 from agent.cache.fetch.sources import RemoteFile, S3Source
@@ -36,7 +36,6 @@ async def fetch(settings: FetchSettings) -> Path:
     if not settings.cache_path.is_dir():
         raise FetchError(f"{settings.cache_path}: no such directory (is the cache mounted?)", reason="disk")
     settings.models.mkdir(exist_ok=True)
-    waiting = {"name": settings.name}
 
     def on_wait(holder: str) -> None:
         log.info("cache.fetch_waiting", name=settings.name, holder_pid=holder or None)
@@ -44,10 +43,10 @@ async def fetch(settings: FetchSettings) -> Path:
     async with model_lock(settings.models, settings.name, on_wait=on_wait):
         record, problems = published(settings.target)
         if not problems and record.get("source") == str(settings.source):
-            log.info("cache.model_present", **waiting, path=str(settings.target), files=len(record["files"]))
+            log.info("cache.model_present", name=settings.name, path=str(settings.target), files=len(record["files"]))
             return settings.target
         if record is not None:
-            log.warning("cache.model_replaced", **waiting, source=record.get("source"), problems=problems[:5])
+            log.warning("cache.model_replaced", name=settings.name, source=record.get("source"), problems=problems[:5])
         await _fetch_locked(settings)
     return settings.target
 
@@ -93,12 +92,10 @@ async def _fetch_locked(settings: FetchSettings) -> None:
         try:
             verified = await transfers.run(done)
             at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            revision = getattr(settings.source, "revision", None)
-            publish(
-                staging,
-                settings.target,
-                manifest(source=str(settings.source), revision=revision, files=files, verified=verified, at=at),
+            model_manifest = manifest(
+                source=str(settings.source), revision=settings.source.revision, files=files, verified=verified, at=at
             )
+            publish(staging, settings.target, model_manifest)
         except OSError as error:
             raise _cleaned(disk_error(error, str(staging)), staging) from None
         except FetchError as error:
@@ -146,7 +143,6 @@ def _resumed(files: list[RemoteFile], done: dict[str, frozenset[int]], settings:
     for file in files:
         for index in done.get(file.path, ()):
             total += min(file.size, (index + 1) * size) - index * size
-        assert len(done.get(file.path, ())) <= part_count(file.size, size)
     return total
 
 
