@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -64,6 +65,9 @@ def bucket(moto: MotoServer) -> str:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moto_s3.models, "S3_UPLOAD_PART_MIN_SIZE", MIB)  # S3's is 5 MiB: smaller parts, faster tests
         for path, data in MODEL.items():
+            if path == "config.json":
+                s3.put_object(Bucket=name, Key=f"llama/{path}", Body=data, ChecksumAlgorithm="SHA256")
+                continue
             if path != "big.bin":
                 s3.put_object(Bucket=name, Key=f"llama/{path}", Body=data)
                 continue
@@ -153,7 +157,8 @@ async def test_an_s3_prefix_lands_whole_with_a_manifest_of_what_each_file_was_ch
     checks = {entry["path"]: entry["checksum"] for entry in record["files"]}
     assert checks["big.bin"]["kind"] == "s3-multipart"
     assert checks["big.bin"]["part_size"] == 2 * MIB
-    assert checks["config.json"]["kind"] == "md5"
+    assert checks["tokenizer/tokenizer.json"]["kind"] == "md5"
+    assert checks["config.json"] == {"kind": "sha256", "value": hashlib.sha256(MODEL["config.json"]).hexdigest()}
     assert {entry["path"]: entry["size"] for entry in record["files"]} == {p: len(d) for p, d in MODEL.items()}
     assert record["source"] == f"s3://{bucket}/llama/"
     assert record["fetched_at"].endswith("Z")
@@ -271,11 +276,29 @@ async def test_two_fetches_of_one_name_share_one_download(
 ) -> None:
     front[0].chunk_delay_s = 0.002
     settings = s3_settings(bucket, cache, front)
+    seen: list[bool] = []
+
+    async def watch() -> None:
+        """What an engine starting at any moment would find: nothing, or the whole model."""
+        target = cache / "models" / "llama"
+        while True:
+            sizes = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
+            seen.append(bool(sizes))
+            if sizes:
+                assert sizes == {**{p: len(d) for p, d in MODEL.items()}, MANIFEST: sizes[MANIFEST]}
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
     with capture_logs() as logs:
         first = asyncio.create_task(fetch(settings))
         await asyncio.sleep(0.3)
         second = asyncio.create_task(fetch(settings))
         await asyncio.gather(first, second)
+    await asyncio.sleep(0.02)
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    assert seen[0] is False
+    assert seen[-1] is True
     assert_published_whole(cache)
     assert len(front[0].ranges("big.bin")) == 7
     events = [log["event"] for log in logs]
@@ -376,3 +399,31 @@ async def test_a_killed_fetch_resumes_asking_only_for_the_parts_it_lacks(
     assert_published_whole(cache)
     asked = {int(r.removeprefix("bytes=").partition("-")[0]) // MIB for r in server.ranges("big.bin") if r}
     assert asked == set(range(7)) - set(done)
+
+
+async def test_wait_in_an_init_container_waits_for_another_process_fetching_the_same_model(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str], environment: dict[str, str]
+) -> None:
+    server, endpoint = front
+    server.chunk_delay_s = 0.01
+    argv = [sys.executable, "-m", "spotdrain.cli", "cache", "fetch", f"s3://{bucket}/llama/", "--name", "llama"]
+    argv += ["--model-cache-path", str(cache), "--aws-endpoint-url", endpoint, "--aws-region", REGION]
+    argv += ["--part-size-mib", "1"]
+    process = await asyncio.create_subprocess_exec(*argv, env=environment, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        for _ in range(400):
+            if _done_parts(cache):
+                break
+            await asyncio.sleep(0.025)
+        with capture_logs() as logs:
+            await fetch_until_done(settings_for(S3Source(bucket, "llama/"), cache, endpoint, wait=True))
+        assert process.returncode is not None or await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+    assert process.returncode == 0
+    assert [log["event"] for log in logs] == ["cache.fetch_waiting", "cache.model_present"]
+    assert logs[0]["holder_pid"] == str(process.pid)
+    assert_published_whole(cache)
+    assert len(server.ranges("big.bin")) == 7
