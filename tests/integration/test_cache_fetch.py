@@ -427,3 +427,15 @@ async def test_wait_in_an_init_container_waits_for_another_process_fetching_the_
     assert logs[0]["holder_pid"] == str(process.pid)
     assert_published_whole(cache)
     assert len(server.ranges("big.bin")) == 7
+
+
+async def test_a_listing_that_fails_once_is_retried_and_a_missing_bucket_is_an_error(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    front[0].fail("503", f"/{bucket}")  # the ListObjectsV2 GET
+    await fetch(s3_settings(bucket, cache, front))
+    assert_published_whole(cache)
+    assert [seen.path for seen in front[0].requests][:2] == [f"/{bucket}", f"/{bucket}"]
+    with pytest.raises(FetchError, match=r"^s3\.list_objects_v2: HTTP 404: .*NoSuchBucket") as raised:
+        await fetch(settings_for(S3Source("no-such-bucket", "llama/"), cache, front[1], name="other"))
+    assert (raised.value.reason, raised.value.transient) == ("listing", False)

@@ -122,13 +122,16 @@ class S3Listing:
 async def _aws(what: str, call: Callable[[], Any]) -> Any:
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from agent.notices.sqs_calls import api_error
-
     async def attempt() -> Any:
         try:
             return await asyncio.to_thread(call)
-        except (ClientError, BotoCoreError) as error:
-            raise api_error(error) from error
+        except ClientError as error:
+            # S3 throttles with 503 SlowDown, which the status alone already makes transient.
+            raise ApiError(
+                int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 500)), str(error)
+            ) from error
+        except BotoCoreError as error:  # no connection, no answer in time, no credentials
+            raise ApiError(0, f"{type(error).__name__}: {error}") from error
 
     try:
         return await retrying(attempt, what=what)
