@@ -274,7 +274,7 @@ async def test_a_safetensors_file_whose_header_does_not_parse_is_never_published
 async def test_two_fetches_of_one_name_share_one_download(
     bucket: str, cache: Path, front: tuple[FaultyServer, str]
 ) -> None:
-    front[0].chunk_delay_s = 0.002
+    front[0].chunk_delay_s = 0.005
     settings = s3_settings(bucket, cache, front)
     seen: list[bool] = []
 
@@ -291,7 +291,8 @@ async def test_two_fetches_of_one_name_share_one_download(
     watcher = asyncio.create_task(watch())
     with capture_logs() as logs:
         first = asyncio.create_task(fetch(settings))
-        await asyncio.sleep(0.3)
+        while not _done_parts(cache):  # the first holds the lock and is downloading
+            await asyncio.sleep(0.005)
         second = asyncio.create_task(fetch(settings))
         await asyncio.gather(first, second)
     await asyncio.sleep(0.02)
@@ -405,7 +406,7 @@ async def test_wait_in_an_init_container_waits_for_another_process_fetching_the_
     bucket: str, cache: Path, front: tuple[FaultyServer, str], environment: dict[str, str]
 ) -> None:
     server, endpoint = front
-    server.chunk_delay_s = 0.01
+    server.chunk_delay_s = 0.03  # half a second or more of download after the record first appears
     argv = [sys.executable, "-m", "spotdrain.cli", "cache", "fetch", f"s3://{bucket}/llama/", "--name", "llama"]
     argv += ["--model-cache-path", str(cache), "--aws-endpoint-url", endpoint, "--aws-region", REGION]
     argv += ["--part-size-mib", "1"]
