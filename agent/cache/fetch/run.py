@@ -52,6 +52,7 @@ async def fetch(settings: FetchSettings) -> Path:
 
 
 async def _fetch_locked(settings: FetchSettings) -> None:
+    """List, download into staging (resuming what is there), check and publish; under the model's lock."""
     timeout = aiohttp.ClientTimeout(
         total=settings.request_timeout_s * 10,
         sock_connect=settings.request_timeout_s,
@@ -88,22 +89,31 @@ async def _fetch_locked(settings: FetchSettings) -> None:
             progress=progress,
             backoff_s=settings.backoff_s,
         )
-        shown = asyncio.create_task(reporter(progress, name=settings.name, interval_s=settings.progress_interval_s))
-        try:
-            verified = await transfers.run(done)
-            at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            model_manifest = manifest(
-                source=str(settings.source), revision=settings.source.revision, files=files, verified=verified, at=at
-            )
-            publish(staging, settings.target, model_manifest)
-        except OSError as error:
-            raise _cleaned(disk_error(error, str(staging)), staging) from None
-        except FetchError as error:
-            raise _cleaned(error, staging) from None
-        finally:
-            shown.cancel()
-            await asyncio.gather(shown, return_exceptions=True)
+        await _download_and_publish(settings, transfers, done)
     log.info("cache.fetched", name=settings.name, path=str(settings.target), **progress.fields(progress.clock()))
+
+
+async def _download_and_publish(settings: FetchSettings, transfers: Transfers, done: dict[str, frozenset[int]]) -> None:
+    progress, staging = transfers.progress, transfers.staging
+    shown = asyncio.create_task(reporter(progress, name=settings.name, interval_s=settings.progress_interval_s))
+    try:
+        verified = await transfers.run(done)
+        at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        model_manifest = manifest(
+            source=str(settings.source),
+            revision=settings.source.revision,
+            files=transfers.files,
+            verified=verified,
+            at=at,
+        )
+        publish(staging, settings.target, model_manifest)
+    except OSError as error:
+        raise _cleaned(disk_error(error, str(staging)), staging) from None
+    except FetchError as error:
+        raise _cleaned(error, staging) from None
+    finally:
+        shown.cancel()
+        await asyncio.gather(shown, return_exceptions=True)
 
 
 def _cleaned(error: FetchError, staging: Path) -> FetchError:
