@@ -162,6 +162,7 @@ async def test_an_s3_prefix_lands_whole_with_a_manifest_of_what_each_file_was_ch
     assert {entry["path"]: entry["size"] for entry in record["files"]} == {p: len(d) for p, d in MODEL.items()}
     assert record["source"] == f"s3://{bucket}/llama/"
     assert record["fetched_at"].endswith("Z")
+    assert (record["revision"], record["commit"]) == (None, None)
     # Ranged GETs of at most a part each; every byte asked for once.
     assert sorted(r or "" for r in front[0].ranges("big.bin")) == [
         f"bytes={i * MIB}-{min((i + 1) * MIB, 6 * MIB + 5) - 1}" for i in range(7)
@@ -234,7 +235,7 @@ async def test_a_mirror_model_is_checked_by_sha256_and_git_blob_ids(
     kinds = {entry["path"]: entry["checksum"]["kind"] for entry in record["files"]}
     assert kinds["model-00001-of-00002.safetensors"] == kinds["big.bin"] == "sha256"
     assert kinds["config.json"] == "git-sha1"
-    assert record["revision"] == "v1"
+    assert (record["revision"], record["commit"]) == ("v1", "0" * 40)
     assert mirror[0].ranges("config.json") == [f"bytes=0-{len(MODEL['config.json']) - 1}"]
 
 

@@ -56,6 +56,7 @@ class Transfers:
     concurrency: int
     progress: Progress
     backoff_s: Sequence[float] = BACKOFF_S
+    commit: str | None = None  # the listing's, for the manifest
     states: dict[str, FileState] = field(default_factory=dict)
 
     async def run(self, done: dict[str, frozenset[int]]) -> dict[str, Checksum | None]:

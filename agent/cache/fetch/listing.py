@@ -35,6 +35,7 @@ class S3Listing:
         self.timeout_s = timeout_s
         self.client = self._client(region)
         self.signed: dict[str, tuple[float, str]] = {}
+        self.commit: str | None = None  # S3 has no revisions
 
     def _client(self, region: str | None) -> Any:
         import boto3
@@ -146,9 +147,12 @@ class MirrorListing:
         self.source = source
         self.session = session
         self.timeout = timeout
+        self.commit: str | None = None
 
     async def files(self) -> list[RemoteFile]:
         answer = await _http(lambda: self._json(self.source.manifest_url), what="mirror.model_info")
+        sha = answer.get("sha") if isinstance(answer, dict) else None
+        self.commit = sha if isinstance(sha, str) else None
         try:
             listed = mirror_files(answer)
         except ValueError as error:

@@ -91,12 +91,19 @@ def resumable(record: Any, files: list[RemoteFile], part_size: int) -> dict[str,
 
 
 def manifest(
-    *, source: str, revision: str | None, files: list[RemoteFile], verified: dict[str, Checksum | None], at: str
+    *,
+    source: str,
+    revision: str | None,
+    commit: str | None,
+    files: list[RemoteFile],
+    verified: dict[str, Checksum | None],
+    at: str,
 ) -> dict[str, Any]:
     """The record published with the model: what it is, where from, and what each file was checked against."""
     return {
         "source": source,
         "revision": revision,
+        "commit": commit,  # what a mirror's revision stood for when listed (its model info's ``sha``)
         "fetched_at": at,
         "files": [{"path": f.path, "size": f.size, "checksum": _plain(verified.get(f.path))} for f in files],
     }

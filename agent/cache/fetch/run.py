@@ -88,6 +88,7 @@ async def _fetch_locked(settings: FetchSettings) -> None:
             concurrency=settings.concurrency,
             progress=progress,
             backoff_s=settings.backoff_s,
+            commit=listing.commit,
         )
         await _download_and_publish(settings, transfers, done)
     log.info("cache.fetched", name=settings.name, path=str(settings.target), **progress.fields(progress.clock()))
@@ -102,6 +103,7 @@ async def _download_and_publish(settings: FetchSettings, transfers: Transfers, d
         model_manifest = manifest(
             source=str(settings.source),
             revision=settings.source.revision,
+            commit=transfers.commit,
             files=transfers.files,
             verified=verified,
             at=at,
