@@ -75,7 +75,11 @@ def _installed(name: str) -> ModuleType | None:
 
 def _command_in(argv: Sequence[str]) -> str:
     """The subcommand the words name: the first that is one (the options before it take only their choices)."""
-    return next((word for word in argv if word in COMMANDS), "")
+    words = list(argv)
+    name = next((word for word in words if word in COMMANDS), "")
+    if name == "cache" and "fetch" in words[words.index(name) + 1 :]:
+        return "cache fetch"
+    return name
 
 
 def main(argv: Sequence[str] | None = None) -> int:

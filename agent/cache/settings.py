@@ -1,7 +1,8 @@
 """Settings of the NVMe model cache: the ``--model-cache-*`` flags, and the ``spotdrain cache`` subcommand's own.
 
 ``add_cache_arguments`` adds only the ``--model-cache-*`` flags (the node agent takes them beside its own);
-``add_arguments`` is the whole ``spotdrain cache`` command line, which also names the node and the kubeconfig.
+``add_arguments`` is the whole ``spotdrain cache`` command line, which also names the node and the kubeconfig, and
+has the ``fetch`` subcommand (agent.cache.fetch).
 """
 
 from __future__ import annotations
@@ -73,8 +74,18 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``spotdrain cache`` command line."""
+    """The ``spotdrain cache`` command line: alone it prepares the cache; ``spotdrain cache fetch`` fills it."""
+    from agent.cache.fetch import settings as fetch_settings
+
     add_cache_arguments(parser)
+    commands = parser.add_subparsers(
+        dest="cache_command",
+        metavar="{fetch}",
+        help="fetch: fill the cache with a model (without it: prepare the cache)",
+    )
+    fetch_settings.add_arguments(
+        commands.add_parser("fetch", help="copy one model from S3 or a Hugging Face-style mirror into the cache")
+    )
     add_flag(parser, "--node-name", aliases=("NODE_NAME",), help="label and untaint this node once the cache is ready")
     add_flag(
         parser,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,13 @@ def test_every_flag_is_documented(command: str) -> None:
     documented = [flag.replace("--no-", "--", 1) if flag.startswith("--no-") else flag for flag in flags]
     missing = [flag for flag in documented if flag != "--help" and flag not in README]
     assert missing == [], f"spotdrain {command}: {missing} not in README.md"
+
+
+def test_every_cache_fetch_flag_is_documented() -> None:
+    from agent.cache.fetch.settings import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {option for action in parser._actions for option in action.option_strings if option.startswith("--")}
+    documented = {flag.replace("--no-", "--", 1) for flag in flags} - {"--help"}
+    assert sorted(flag for flag in documented if f"`{flag}`" not in README) == []

@@ -1,0 +1,202 @@
+"""The transfers of one fetch: every missing part of every file, N at a time, each file checked once whole.
+
+Workers take parts from one queue across the files, so a model of a few large files keeps N requests open. Written
+parts are fsynced and recorded as done at every checkpoint (about twice a second, and at the end), so a fetch
+killed at any moment leaves a record of only parts whose bytes are on disk. A file whose check fails is fetched
+again once; a second failure ends the fetch with an error naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import structlog
+
+from agent.cache.fetch.parts import PROGRESS, Part, parts_of, progress_record
+from agent.cache.fetch.progress import Progress
+from agent.cache.fetch.sources import Checksum, RemoteFile
+from agent.cache.fetch.staging import write_json
+from agent.cache.fetch.transfer import FetchError, disk_error, get_part
+from agent.cache.fetch.verify import check_file
+from spotdrain.retry import BACKOFF_S, ApiError, retrying
+
+log = structlog.get_logger()
+CHECKPOINT_S = 0.5
+
+
+@dataclass
+class FileState:
+    file: RemoteFile
+    fd: int
+    done: set[int]  # fsynced and recorded
+    written: set[int] = field(default_factory=set)  # on disk, not yet fsynced
+    left: int = 0  # parts of this round not yet written
+    problem: str | None = None
+    verified: Checksum | None = None
+
+
+@dataclass
+class Transfers:
+    name: str
+    source: str
+    staging: Path
+    files: list[RemoteFile]
+    part_size: int
+    url: Callable[[RemoteFile], str]
+    session: aiohttp.ClientSession
+    timeout: aiohttp.ClientTimeout
+    concurrency: int
+    progress: Progress
+    backoff_s: Sequence[float] = BACKOFF_S
+    commit: str | None = None  # the listing's, for the manifest
+    states: dict[str, FileState] = field(default_factory=dict)
+
+    async def run(self, done: dict[str, frozenset[int]]) -> dict[str, Checksum | None]:
+        """Fetch and check every file; the checksum each was checked against, by path. Raises FetchError."""
+        try:
+            for file in self.files:
+                self.states[file.path] = FileState(file, await self._open(file), set(done.get(file.path, ())))
+            await self._record()
+            todo = list(self.states.values())
+            for attempt in (1, 2):
+                await self._round(todo)
+                todo = [state for state in todo if state.problem is not None]
+                if not todo:
+                    return {path: state.verified for path, state in self.states.items()}
+                for state in todo:
+                    log.warning("cache.fetch_check_failed", name=self.name, problem=state.problem, attempt=attempt)
+                    self.progress.add(-state.file.size)
+                    state.done.clear()
+            raise FetchError(f"{todo[0].problem} (fetched twice)", reason="checksum")
+        except OSError as error:
+            raise disk_error(error, str(self.staging)) from None
+        finally:
+            for state in self.states.values():
+                os.close(state.fd)
+
+    async def _open(self, file: RemoteFile) -> int:
+        path = self.staging / file.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if file.size:
+                await asyncio.to_thread(_preallocate, fd, file.size)
+            os.ftruncate(fd, file.size)
+        except OSError as error:
+            os.close(fd)
+            raise disk_error(error, file.path) from None
+        return fd
+
+    async def _round(self, states: list[FileState]) -> None:
+        queue: deque[Part] = deque()
+        for state in states:
+            state.problem = None
+            missing = parts_of(state.file, self.part_size, skip=frozenset(state.done))
+            state.left = len(missing)
+            queue.extend(missing)
+        try:
+            await self._transfer(states, queue)
+        except BaseException:
+            # What is on disk is kept for the next fetch, if it can be recorded; the failure is what is reported.
+            with contextlib.suppress(OSError):
+                await asyncio.shield(self._checkpoint())
+            raise
+        await self._checkpoint()
+
+    async def _transfer(self, states: list[FileState], queue: deque[Part]) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for state in states:
+                    if state.left == 0:
+                        group.create_task(self._check(state))
+                workers = [group.create_task(self._worker(queue, group)) for _ in range(self.concurrency)]
+                group.create_task(self._checkpoints(workers))
+        except* FetchError as errors:
+            raise errors.exceptions[0] from None
+        except* OSError as errors:
+            raise errors.exceptions[0] from None
+
+    async def _worker(self, queue: deque[Part], group: asyncio.TaskGroup) -> None:
+        """Takes parts until the queue is empty; raises FetchError for a part that cannot be had."""
+        while queue:
+            part = queue.popleft()
+            state = self.states[part.file.path]
+            await self._fetch(part, state)
+            state.written.add(part.index)
+            state.left -= 1
+            if state.left == 0:
+                group.create_task(self._check(state))
+
+    async def _fetch(self, part: Part, state: FileState) -> None:
+        path = part.file.path
+
+        async def attempt() -> None:
+            await get_part(
+                self.session, self.url(part.file), part, state.fd, limits=self.timeout, on_bytes=self.progress.add
+            )
+
+        try:
+            await retrying(attempt, what=f"GET {path} bytes {part.start}-{part.end - 1}", backoff_s=self.backoff_s)
+        except ApiError as error:
+            if error.status == 404:
+                raise FetchError(
+                    f"{path}: listed by the source, but not found there (HTTP 404)", reason="not_found"
+                ) from None
+            reason = "denied" if error.status in (401, 403) else "source"
+            raise FetchError(f"{path}: {error}", reason=reason, transient=error.transient) from None
+        except OSError as error:
+            raise disk_error(error, path) from None
+
+    async def _check(self, state: FileState) -> None:
+        def check() -> tuple[str | None, Checksum | None]:
+            os.fsync(state.fd)
+            return check_file(state.fd, state.file)
+
+        state.problem, state.verified = await asyncio.to_thread(check)
+
+    async def _checkpoints(self, workers: list[asyncio.Task[None]]) -> None:
+        """Fsyncs and records the written parts every CHECKPOINT_S; returns once the workers are done."""
+        while not all(worker.done() for worker in workers):
+            await asyncio.wait(workers, timeout=CHECKPOINT_S)
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        """Parts written before the fsync become done; the record then says so. The sets change only on the loop."""
+        batch = [(state, frozenset(state.written)) for state in self.states.values() if state.written]
+        if not batch:
+            return
+        await asyncio.to_thread(_fdatasync, [state.fd for state, _ in batch])
+        for state, indices in batch:
+            state.done |= indices
+            state.written -= indices
+        await self._record()
+
+    async def _record(self) -> None:
+        done = {path: frozenset(state.done) for path, state in self.states.items()}
+        record = progress_record(
+            name=self.name, source=self.source, files=self.files, part_size=self.part_size, done=done
+        )
+        await asyncio.to_thread(write_json, self.staging / PROGRESS, record)
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks, so that a full disk fails here, at once; a filesystem that cannot is written
+    into as it is."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+def _fdatasync(fds: list[int]) -> None:
+    for fd in fds:
+        os.fdatasync(fd)

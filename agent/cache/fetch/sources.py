@@ -1,0 +1,156 @@
+"""What a fetch copies: the source named on the command line, and the files its listing gives (pure).
+
+Two sources. ``s3://bucket/prefix/``: every object under the prefix, at its path relative to the prefix.
+``hf+https://host/base/ORG/REPO[@REVISION]``: a mirror laid out as the Hugging Face Hub is, files at
+``{base}/{repo}/resolve/{revision}/{file}`` and the file list at ``{base}/api/models/{repo}/revision/{revision}``
+(the Hub's model-info answer: ``siblings: [{rfilename, size, blobId, lfs: {sha256, size}}]`` with ``?blobs=true``,
+which is what huggingface_hub's ``model_info(files_metadata=True)`` reads).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MD5 = re.compile(r"[0-9a-f]{32}")
+_MULTIPART = re.compile(r"([0-9a-f]{32})-([0-9]+)")
+_SHA1 = re.compile(r"[0-9a-f]{40}")
+
+
+@dataclass(frozen=True)
+class S3Source:
+    bucket: str
+    prefix: str  # "" (the whole bucket) or ending in "/"
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    @property
+    def revision(self) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class MirrorSource:
+    base: str  # scheme, host and path before the repository, without a trailing slash
+    repo: str  # ORG/REPO
+    revision: str  # a branch, tag or commit; "main" when the source names none
+
+    def __str__(self) -> str:
+        return f"hf+{self.base}/{self.repo}@{self.revision}"
+
+    def file_url(self, path: str) -> str:
+        return f"{self.base}/{self.repo}/resolve/{quote(self.revision, safe='')}/{quote(path)}"
+
+    @property
+    def manifest_url(self) -> str:
+        return f"{self.base}/api/models/{self.repo}/revision/{quote(self.revision, safe='')}?blobs=true"
+
+
+Source = S3Source | MirrorSource
+
+
+@dataclass(frozen=True)
+class Checksum:
+    """What the source says a file's content hashes to. ``kind``: ``md5`` (a single-part S3 ETag), ``s3-multipart``
+    (``md5(md5(part1) + md5(part2) ...)-N`` over parts of ``part_size`` bytes), ``sha256``, ``git-sha1`` (a git blob
+    id: ``sha1(b"blob <size>\\0" + content)``)."""
+
+    kind: str
+    value: str
+    part_size: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "value": self.value, **({"part_size": self.part_size} if self.part_size else {})}
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str  # relative to the model directory, "/"-separated
+    size: int
+    checksums: tuple[Checksum, ...] = ()
+    key: str = ""  # the S3 key; "" on a mirror
+
+
+def parse_source(text: str) -> Source:
+    """The source SOURCE names; ValueError says what is wrong with it."""
+    if text.startswith("s3://"):
+        bucket, _, prefix = text.removeprefix("s3://").partition("/")
+        if not bucket:
+            raise ValueError(f"{text!r} names no bucket")
+        return S3Source(bucket, prefix if not prefix or prefix.endswith("/") else prefix + "/")
+    if text.startswith(("hf+http://", "hf+https://")):
+        return _mirror(text.removeprefix("hf+"))
+    raise ValueError(f"{text!r} is neither s3://bucket/prefix/ nor hf+https://host/base/ORG/REPO[@REVISION]")
+
+
+def _mirror(url: str) -> MirrorSource:
+    location, _, revision = url.rstrip("/").partition("@")
+    parts = urlsplit(location)
+    segments = [s for s in parts.path.split("/") if s]
+    if not parts.hostname or len(segments) < 2:
+        raise ValueError(f"{url!r} names no ORG/REPO after the mirror's host")
+    base = f"{parts.scheme}://{parts.netloc}" + "".join(f"/{s}" for s in segments[:-2])
+    return MirrorSource(base, "/".join(segments[-2:]), revision or "main")
+
+
+def relative_path(name: str) -> str:
+    """A listed name as a path inside the model directory; ValueError for one that would leave it."""
+    segments = name.split("/")
+    if not name or name.startswith("/") or any(s in ("", ".", "..") for s in segments) or "\0" in name:
+        raise ValueError(f"{name!r} is not a relative path inside the model")
+    if segments[0] in (".spotdrain-manifest.json", ".spotdrain-progress.json"):
+        raise ValueError(f"{name!r} would overwrite spotdrain's own record")
+    return name
+
+
+def s3_checksums(*, etag: str, part_size: int, sha256_b64: str | None, encrypted: bool) -> tuple[Checksum, ...]:
+    """What an S3 object's headers say about its content. An ETag is an MD5 only for objects without SSE-KMS or
+    SSE-C (https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html); a composite checksum (``...-N``) is not
+    one of the whole content and is passed over."""
+    found: list[Checksum] = []
+    if sha256_b64 and "-" not in sha256_b64:
+        found.append(Checksum("sha256", base64.b64decode(sha256_b64).hex()))
+    tag = etag.strip('"').lower()
+    if not encrypted and _MD5.fullmatch(tag):
+        found.append(Checksum("md5", tag))
+    elif not encrypted and _MULTIPART.fullmatch(tag) and part_size > 0:
+        found.append(Checksum("s3-multipart", tag, part_size))
+    return tuple(found)
+
+
+def http_checksums(headers: dict[str, str]) -> tuple[Checksum, ...]:
+    """What a mirror's answer says of the content, read as huggingface_hub reads the Hub's (``X-Linked-Etag``, else
+    ``ETag``): 64 hex digits are an LFS file's SHA-256, 40 a git blob id; any other ETag says nothing."""
+    for name in ("x-linked-etag", "etag"):
+        value = headers.get(name, "").removeprefix("W/").strip('"').lower()
+        if _SHA256.fullmatch(value):
+            return (Checksum("sha256", value),)
+        if _SHA1.fullmatch(value):
+            return (Checksum("git-sha1", value),)
+    return ()
+
+
+def mirror_files(answer: Any) -> list[tuple[str, int | None, tuple[Checksum, ...]]]:
+    """(path, size or None, checksums) for each sibling of a model-info answer; ValueError for one that is not."""
+    siblings = answer.get("siblings") if isinstance(answer, dict) else None
+    if not isinstance(siblings, list):
+        raise ValueError("the mirror's model info has no siblings list")
+    files = []
+    for sibling in siblings:
+        name = sibling.get("rfilename") if isinstance(sibling, dict) else None
+        if not isinstance(name, str):
+            raise ValueError(f"a sibling without rfilename: {sibling!r}"[:200])
+        lfs = sibling.get("lfs") if isinstance(sibling.get("lfs"), dict) else {}
+        size = lfs.get("size", sibling.get("size"))
+        checksums: list[Checksum] = []
+        if isinstance(lfs.get("sha256"), str) and _SHA256.fullmatch(lfs["sha256"]):
+            checksums.append(Checksum("sha256", lfs["sha256"]))
+        elif isinstance(sibling.get("blobId"), str) and _SHA1.fullmatch(sibling["blobId"]):
+            checksums.append(Checksum("git-sha1", sibling["blobId"]))
+        files.append((relative_path(name), size if isinstance(size, int) and size >= 0 else None, tuple(checksums)))
+    return files

@@ -1,0 +1,443 @@
+"""``spotdrain cache fetch`` against moto's S3 (behind a front that can misbehave) and a Hugging Face-style mirror:
+what lands, what is checked, and what faults, kills and full disks leave behind."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import moto.s3 as moto_s3
+import pytest
+from structlog.testing import capture_logs
+
+from agent.cache.fetch.parts import MANIFEST, PROGRESS
+from agent.cache.fetch.run import fetch, fetch_until_done
+from agent.cache.fetch.settings import MIB, FetchSettings
+from agent.cache.fetch.sources import MirrorSource, S3Source, Source
+from agent.cache.fetch.staging import write_json
+from agent.cache.fetch.transfer import FetchError
+from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
+from simulate.fakes.mirror import FaultyServer
+from tests.conftest import serving_app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def safetensors(size: int, *, seed: int) -> bytes:
+    """A real safetensors file: one F32 tensor of ``size`` bytes after its header."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [size // 4], "data_offsets": [0, size // 4 * 4]}}).encode()
+    return struct.pack("<Q", len(header)) + header + os.urandom(size // 4 * 4)[:0] + bytes([seed]) * (size // 4 * 4)
+
+
+MODEL = {
+    "model-00001-of-00002.safetensors": safetensors(MIB + MIB // 2, seed=1),
+    "model-00002-of-00002.safetensors": safetensors(MIB // 2 + 17, seed=2),
+    "big.bin": os.urandom(6 * MIB + 5),  # multipart-uploaded in 2 MiB parts: fetched as 7 parts of 1 MiB
+    "config.json": b'{"architectures": ["LlamaForCausalLM"]}',
+    "tokenizer/tokenizer.json": b'{"version": "1.0"}',
+}
+
+
+@pytest.fixture(scope="module")
+def bucket(moto: MotoServer) -> str:
+    """One bucket for the module's tests, which only read it."""
+    s3 = boto3.client(
+        "s3",
+        region_name=REGION,
+        endpoint_url=moto.endpoint_url,
+        aws_access_key_id=ACCESS_KEY_ID,
+        aws_secret_access_key=SECRET_ACCESS_KEY,
+    )
+    name = f"models-{uuid.uuid4().hex[:12]}"
+    s3.create_bucket(Bucket=name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moto_s3.models, "S3_UPLOAD_PART_MIN_SIZE", MIB)  # S3's is 5 MiB: smaller parts, faster tests
+        for path, data in MODEL.items():
+            if path == "config.json":
+                s3.put_object(Bucket=name, Key=f"llama/{path}", Body=data, ChecksumAlgorithm="SHA256")
+                continue
+            if path != "big.bin":
+                s3.put_object(Bucket=name, Key=f"llama/{path}", Body=data)
+                continue
+            key = f"llama/{path}"
+            upload = s3.create_multipart_upload(Bucket=name, Key=key)["UploadId"]
+            parts = [
+                {
+                    "PartNumber": n + 1,
+                    "ETag": s3.upload_part(
+                        Bucket=name,
+                        Key=key,
+                        UploadId=upload,
+                        PartNumber=n + 1,
+                        Body=data[n * 2 * MIB : (n + 1) * 2 * MIB],
+                    )["ETag"],
+                }
+                for n in range(4)
+            ]
+            s3.complete_multipart_upload(Bucket=name, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+    assert s3.head_object(Bucket=name, Key="llama/big.bin")["ETag"].endswith('-4"')
+    return name
+
+
+@pytest.fixture
+async def front(moto: MotoServer, aws_credentials: None) -> AsyncIterator[tuple[FaultyServer, str]]:
+    server = FaultyServer(upstream=moto.endpoint_url)
+    async with serving_app(server.app()) as port:
+        yield server, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def mirror() -> AsyncIterator[tuple[FaultyServer, str]]:
+    server = FaultyServer(files=dict(MODEL), repo="org/llama", revision="v1", root="/hub")
+    async with serving_app(server.app()) as port:
+        yield server, f"http://127.0.0.1:{port}/hub"
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    path = tmp_path / "cache"
+    path.mkdir()
+    return path
+
+
+def settings_for(source: Source, cache: Path, endpoint: str | None = None, **changes: Any) -> FetchSettings:
+    settings = FetchSettings(
+        source=source,
+        name="llama",
+        cache_path=cache,
+        aws_endpoint_url=endpoint,
+        aws_region=REGION,
+        concurrency=4,
+        part_size_bytes=MIB,
+        wait=False,
+        request_timeout_s=2.0,
+        progress_interval_s=5.0,
+        backoff_s=(0.01, 0.02, 0.05),
+        wait_backoff_s=(0.05,),
+    )
+    return dataclasses.replace(settings, **changes)
+
+
+def s3_settings(bucket: str, cache: Path, front: tuple[FaultyServer, str], **changes: Any) -> FetchSettings:
+    return settings_for(S3Source(bucket, "llama/"), cache, front[1], **changes)
+
+
+def mirror_settings(mirror: tuple[FaultyServer, str], cache: Path, **changes: Any) -> FetchSettings:
+    return settings_for(MirrorSource(mirror[1], "org/llama", "v1"), cache, **changes)
+
+
+def assert_published_whole(cache: Path, name: str = "llama") -> dict[str, Any]:
+    target = cache / "models" / name
+    assert {str(p.relative_to(target)) for p in target.rglob("*") if p.is_file()} == {*MODEL, MANIFEST}
+    for path, data in MODEL.items():
+        assert (target / path).read_bytes() == data, path
+    assert list((cache / "models" / ".staging").iterdir()) == []
+    record: dict[str, Any] = json.loads((target / MANIFEST).read_text())
+    return record
+
+
+async def test_an_s3_prefix_lands_whole_with_a_manifest_of_what_each_file_was_checked_against(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    with capture_logs() as logs:
+        assert await fetch(s3_settings(bucket, cache, front)) == cache / "models" / "llama"
+    record = assert_published_whole(cache)
+    checks = {entry["path"]: entry["checksum"] for entry in record["files"]}
+    assert checks["big.bin"]["kind"] == "s3-multipart"
+    assert checks["big.bin"]["part_size"] == 2 * MIB
+    assert checks["tokenizer/tokenizer.json"]["kind"] == "md5"
+    assert checks["config.json"] == {"kind": "sha256", "value": hashlib.sha256(MODEL["config.json"]).hexdigest()}
+    assert {entry["path"]: entry["size"] for entry in record["files"]} == {p: len(d) for p, d in MODEL.items()}
+    assert record["source"] == f"s3://{bucket}/llama/"
+    assert record["fetched_at"].endswith("Z")
+    assert (record["revision"], record["commit"]) == (None, None)
+    # Ranged GETs of at most a part each; every byte asked for once.
+    assert sorted(r or "" for r in front[0].ranges("big.bin")) == [
+        f"bytes={i * MIB}-{min((i + 1) * MIB, 6 * MIB + 5) - 1}" for i in range(7)
+    ]
+    summary = next(log for log in logs if log["event"] == "cache.fetched")
+    assert summary["bytes"] == sum(map(len, MODEL.values()))
+    assert summary["files"] == len(MODEL)
+
+
+async def test_a_model_already_present_is_returned_at_once_and_a_damaged_one_is_fetched_again(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    settings = s3_settings(bucket, cache, front)
+    await fetch(settings)
+    front[0].requests.clear()
+    with capture_logs() as logs:
+        await fetch(settings)
+    assert front[0].requests == []
+    assert [log["event"] for log in logs] == ["cache.model_present"]
+    with (cache / "models" / "llama" / "big.bin").open("r+b") as damaged:
+        damaged.truncate(MIB)
+    await fetch(settings)
+    assert_published_whole(cache)
+
+
+@pytest.mark.parametrize("fault", ["drop", "503", "500", "hang"])
+async def test_a_part_that_fails_is_asked_for_again_and_the_model_is_identical(
+    fault: str, bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    front[0].fail(fault, "big.bin", times=2)
+    front[0].fail(fault, "config.json")
+    await fetch(s3_settings(bucket, cache, front, request_timeout_s=0.5))
+    assert_published_whole(cache)
+    assert len(front[0].ranges("big.bin")) == 7 + 2
+    assert len(front[0].ranges("config.json")) == 2
+
+
+async def test_a_file_with_wrong_bytes_is_fetched_again_and_twice_wrong_is_an_error_naming_it(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    front[0].fail("wrong", "config.json")
+    await fetch(s3_settings(bucket, cache, front))
+    assert_published_whole(cache)
+
+    front[0].fail("wrong", "tokenizer.json", times=2)
+    with pytest.raises(FetchError, match=r"tokenizer/tokenizer\.json: md5 .* \(fetched twice\)") as raised:
+        await fetch(s3_settings(bucket, cache, front, name="other"))
+    assert raised.value.reason == "checksum"
+    assert not (cache / "models" / "other").exists()
+
+
+async def test_a_listed_file_that_is_not_found_is_an_error_naming_it(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str], mirror: tuple[FaultyServer, str]
+) -> None:
+    front[0].fail("404", "big.bin", times=20)
+    with pytest.raises(FetchError, match=r"^big\.bin: listed by the source, but not found there") as raised:
+        await fetch(s3_settings(bucket, cache, front))
+    assert raised.value.reason == "not_found"
+    mirror[0].listed_only.add("config.json")
+    with pytest.raises(FetchError, match=r"^config\.json: listed by the source, but not found there"):
+        await fetch(mirror_settings(mirror, cache))
+    assert not (cache / "models" / "llama").exists()
+
+
+async def test_a_mirror_model_is_checked_by_sha256_and_git_blob_ids(
+    cache: Path, mirror: tuple[FaultyServer, str]
+) -> None:
+    await fetch(mirror_settings(mirror, cache))
+    record = assert_published_whole(cache)
+    kinds = {entry["path"]: entry["checksum"]["kind"] for entry in record["files"]}
+    assert kinds["model-00001-of-00002.safetensors"] == kinds["big.bin"] == "sha256"
+    assert kinds["config.json"] == "git-sha1"
+    assert (record["revision"], record["commit"]) == ("v1", "0" * 40)
+    assert mirror[0].ranges("config.json") == [f"bytes=0-{len(MODEL['config.json']) - 1}"]
+
+
+async def test_a_mirror_that_drops_and_corrupts_once_still_gives_the_identical_model(
+    cache: Path, mirror: tuple[FaultyServer, str]
+) -> None:
+    mirror[0].fail("drop", "big.bin")
+    mirror[0].fail("wrong", "model-00001-of-00002.safetensors")
+    await fetch(mirror_settings(mirror, cache))
+    assert_published_whole(cache)
+    assert len(mirror[0].ranges("big.bin")) == 7 + 1
+    assert len(mirror[0].ranges("model-00001-of-00002.safetensors")) == 2 + 2  # the whole file again
+
+
+async def test_a_mirror_file_without_size_in_the_listing_is_asked_for_it(
+    cache: Path, mirror: tuple[FaultyServer, str]
+) -> None:
+    mirror[0].sizeless |= {"big.bin", "config.json"}
+    await fetch(mirror_settings(mirror, cache))
+    record = assert_published_whole(cache)
+    heads = [seen.path.rpartition("/")[2] for seen in mirror[0].requests if seen.method == "HEAD"]
+    assert sorted(heads) == ["big.bin", "config.json"]
+    kinds = {entry["path"]: entry["checksum"]["kind"] for entry in record["files"]}
+    assert kinds["big.bin"] == "sha256"  # from X-Linked-Etag
+    assert kinds["config.json"] == "git-sha1"  # from the ETag, as the Hub sends a small file's
+
+
+async def test_a_safetensors_file_whose_header_does_not_parse_is_never_published(
+    cache: Path, mirror: tuple[FaultyServer, str]
+) -> None:
+    mirror[0].files["model-00002-of-00002.safetensors"] = struct.pack("<Q", 10**9) + b"{}"
+    with pytest.raises(FetchError, match=r"model-00002-of-00002\.safetensors: safetensors header length"):
+        await fetch(mirror_settings(mirror, cache))
+    assert not (cache / "models" / "llama").exists()
+
+
+async def test_two_fetches_of_one_name_share_one_download(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    front[0].chunk_delay_s = 0.005
+    settings = s3_settings(bucket, cache, front)
+    seen: list[bool] = []
+
+    async def watch() -> None:
+        """What an engine starting at any moment would find: nothing, or the whole model."""
+        target = cache / "models" / "llama"
+        while True:
+            sizes = {str(p.relative_to(target)): p.stat().st_size for p in target.rglob("*") if p.is_file()}
+            seen.append(bool(sizes))
+            if sizes:
+                assert sizes == {**{p: len(d) for p, d in MODEL.items()}, MANIFEST: sizes[MANIFEST]}
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    with capture_logs() as logs:
+        first = asyncio.create_task(fetch(settings))
+        while not _done_parts(cache):  # the first holds the lock and is downloading
+            await asyncio.sleep(0.005)
+        second = asyncio.create_task(fetch(settings))
+        await asyncio.gather(first, second)
+    await asyncio.sleep(0.02)
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    assert seen[0] is False
+    assert seen[-1] is True
+    assert_published_whole(cache)
+    assert len(front[0].ranges("big.bin")) == 7
+    events = [log["event"] for log in logs]
+    assert events.count("cache.fetch_waiting") == 1
+    assert events.count("cache.model_present") == 1
+    assert events.index("cache.fetched") < events.index("cache.model_present")
+
+
+async def test_staging_left_by_a_fetch_from_another_source_is_removed(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    stale = cache / "models" / ".staging" / "llama-0badf00d"
+    stale.mkdir(parents=True)
+    (stale / "big.bin").write_bytes(b"x" * 1000)
+    write_json(stale / PROGRESS, {"version": 1, "name": "llama", "source": "s3://elsewhere/llama/", "files": []})
+    other = cache / "models" / ".staging" / "llama-2-12345678"  # another model's: not ours to remove
+    other.mkdir()
+    await fetch(s3_settings(bucket, cache, front))
+    assert not stale.exists()
+    assert other.exists()
+
+
+async def test_wait_tries_again_after_a_source_that_fails_for_longer_than_the_retries(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    front[0].fail("503", "config.json", times=4)  # one more than the three retries of a request
+    with pytest.raises(FetchError, match=r"config\.json: HTTP 503") as raised:
+        await fetch(s3_settings(bucket, cache, front))
+    assert raised.value.transient
+    front[0].fail("503", "config.json", times=4)
+    with capture_logs() as logs:
+        await fetch_until_done(s3_settings(bucket, cache, front, wait=True))
+    assert_published_whole(cache)
+    assert [log["reason"] for log in logs if log["event"] == "cache.fetch_retry"] == ["source"]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs: too small for the model."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    yield small
+    subprocess.run(["umount", str(small)], check=True)
+
+
+@pytest.mark.parametrize("found_at", ["preallocation", "write"])
+async def test_a_full_disk_ends_with_an_error_naming_the_file_and_leaves_no_staging(
+    found_at: str, bucket: str, small_disk: Path, front: tuple[FaultyServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if found_at == "write":  # a filesystem that cannot preallocate fills up under the writes instead
+        monkeypatch.setattr(os, "posix_fallocate", lambda fd, offset, length: None)
+    with pytest.raises(FetchError, match=r"the model cache is full") as raised:
+        await fetch(s3_settings(bucket, small_disk, front))
+    assert raised.value.reason == "disk_full"
+    assert str(raised.value).startswith(("big.bin:", "model-0000"))
+    assert list((small_disk / "models" / ".staging").iterdir()) == []
+    assert not (small_disk / "models" / "llama").exists()
+
+
+def _done_parts(cache: Path) -> dict[str, list[int]]:
+    for record_path in (cache / "models" / ".staging").glob(f"*/{PROGRESS}"):
+        record = json.loads(record_path.read_text())
+        return {entry["path"]: entry["done"] for entry in record["files"]}
+    return {}
+
+
+@pytest.fixture
+def environment(aws_credentials: None) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+async def test_a_killed_fetch_resumes_asking_only_for_the_parts_it_lacks(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str], environment: dict[str, str]
+) -> None:
+    server, endpoint = front
+    server.chunk_delay_s = 0.04  # about 1.5 MiB/s a connection: the kill lands mid-download
+    argv = [sys.executable, "-m", "spotdrain.cli", "cache", "fetch", f"s3://{bucket}/llama/", "--name", "llama"]
+    argv += ["--model-cache-path", str(cache), "--aws-endpoint-url", endpoint, "--aws-region", REGION]
+    argv += ["--concurrency", "2", "--part-size-mib", "1"]
+    process = await asyncio.create_subprocess_exec(*argv, env=environment, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        for _ in range(400):
+            if len(_done_parts(cache).get("big.bin", [])) >= 2:
+                break
+            await asyncio.sleep(0.025)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        await process.wait()
+    done = _done_parts(cache)["big.bin"]
+    assert 2 <= len(done) < 7
+    assert not (cache / "models" / "llama").exists()
+    server.chunk_delay_s = 0.0
+    server.requests.clear()
+    await fetch(settings_for(S3Source(bucket, "llama/"), cache, endpoint))
+    assert_published_whole(cache)
+    asked = {int(r.removeprefix("bytes=").partition("-")[0]) // MIB for r in server.ranges("big.bin") if r}
+    assert asked == set(range(7)) - set(done)
+
+
+async def test_wait_in_an_init_container_waits_for_another_process_fetching_the_same_model(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str], environment: dict[str, str]
+) -> None:
+    server, endpoint = front
+    server.chunk_delay_s = 0.03  # half a second or more of download after the record first appears
+    argv = [sys.executable, "-m", "spotdrain.cli", "cache", "fetch", f"s3://{bucket}/llama/", "--name", "llama"]
+    argv += ["--model-cache-path", str(cache), "--aws-endpoint-url", endpoint, "--aws-region", REGION]
+    argv += ["--part-size-mib", "1"]
+    process = await asyncio.create_subprocess_exec(*argv, env=environment, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        for _ in range(400):
+            if _done_parts(cache):
+                break
+            await asyncio.sleep(0.025)
+        with capture_logs() as logs:
+            await fetch_until_done(settings_for(S3Source(bucket, "llama/"), cache, endpoint, wait=True))
+        assert process.returncode is not None or await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+    assert process.returncode == 0
+    assert [log["event"] for log in logs] == ["cache.fetch_waiting", "cache.model_present"]
+    assert logs[0]["holder_pid"] == str(process.pid)
+    assert_published_whole(cache)
+    assert len(server.ranges("big.bin")) == 7
+
+
+async def test_a_listing_that_fails_once_is_retried_and_a_missing_bucket_is_an_error(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str]
+) -> None:
+    front[0].fail("503", f"/{bucket}")  # the ListObjectsV2 GET
+    await fetch(s3_settings(bucket, cache, front))
+    assert_published_whole(cache)
+    assert [seen.path for seen in front[0].requests][:2] == [f"/{bucket}", f"/{bucket}"]
+    with pytest.raises(FetchError, match=r"^s3\.list_objects_v2: HTTP 404: .*NoSuchBucket") as raised:
+        await fetch(settings_for(S3Source("no-such-bucket", "llama/"), cache, front[1], name="other"))
+    assert (raised.value.reason, raised.value.transient) == ("listing", False)

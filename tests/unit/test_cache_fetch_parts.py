@@ -1,0 +1,217 @@
+"""The pure parts of ``spotdrain cache fetch``: sources, checksums, the part plan, the records, and the checks."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from agent.cache.fetch.parts import manifest_problems, parts_of, progress_record, resumable, same_fetch
+from agent.cache.fetch.progress import Progress
+from agent.cache.fetch.sources import (
+    Checksum,
+    MirrorSource,
+    RemoteFile,
+    S3Source,
+    http_checksums,
+    mirror_files,
+    parse_source,
+    relative_path,
+    s3_checksums,
+)
+from agent.cache.fetch.verify import check_file
+from spotdrain.cli import build_parser, main
+
+
+@pytest.mark.parametrize(
+    ("text", "source"),
+    [
+        ("s3://models/llama/", S3Source("models", "llama/")),
+        ("s3://models/llama", S3Source("models", "llama/")),
+        ("s3://models", S3Source("models", "")),
+        ("hf+https://mirror.internal/org/llama", MirrorSource("https://mirror.internal", "org/llama", "main")),
+        ("hf+http://h:8080/hub/org/llama@v1.2", MirrorSource("http://h:8080/hub", "org/llama", "v1.2")),
+    ],
+)
+def test_sources_are_read_from_their_urls(text: str, source: object) -> None:
+    assert parse_source(text) == source
+
+
+@pytest.mark.parametrize("text", ["s3:///x", "https://h/org/repo", "hf+https://h/repo", "/data/llama"])
+def test_a_source_that_names_nothing_fetchable_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match=r"names no|neither"):
+        parse_source(text)
+
+
+def test_a_mirror_source_builds_the_hubs_urls() -> None:
+    source = MirrorSource("http://h/hub", "org/llama", "refs/pr/1")
+    assert source.file_url("sub dir/a.json") == "http://h/hub/org/llama/resolve/refs%2Fpr%2F1/sub%20dir/a.json"
+    assert source.manifest_url == "http://h/hub/api/models/org/llama/revision/refs%2Fpr%2F1?blobs=true"
+
+
+@pytest.mark.parametrize("name", ["", "/etc/passwd", "../x", "a/../../x", "a//b", "./a", ".spotdrain-manifest.json"])
+def test_a_listed_name_that_would_leave_the_model_directory_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=r"not a relative path|spotdrain's own"):
+        relative_path(name)
+
+
+def test_s3_checksums_trust_an_etag_only_where_it_is_an_md5() -> None:
+    md5 = "9e107d9d372bb6826bd81d3542a419d6"
+    assert s3_checksums(etag=f'"{md5}"', part_size=10, sha256_b64=None, encrypted=False) == (Checksum("md5", md5),)
+    multipart = s3_checksums(etag=f'"{md5}-3"', part_size=8, sha256_b64=None, encrypted=False)
+    assert multipart == (Checksum("s3-multipart", f"{md5}-3", 8),)
+    assert s3_checksums(etag=f'"{md5}"', part_size=10, sha256_b64=None, encrypted=True) == ()
+    digest = hashlib.sha256(b"x").digest()
+    whole = s3_checksums(etag="", part_size=0, sha256_b64=base64.b64encode(digest).decode(), encrypted=True)
+    assert whole == (Checksum("sha256", digest.hex()),)
+    assert s3_checksums(etag="", part_size=0, sha256_b64="abc=-2", encrypted=False) == ()
+
+
+def test_a_mirror_says_sha256_in_its_etags_and_its_listing() -> None:
+    sha = "a" * 64
+    assert http_checksums({"x-linked-etag": f'"{sha}"'}) == (Checksum("sha256", sha),)
+    assert http_checksums({"etag": f'W/"{sha}"'}) == (Checksum("sha256", sha),)
+    assert http_checksums({"etag": f'"{"c" * 40}"'}) == (Checksum("git-sha1", "c" * 40),)
+    assert http_checksums({"etag": '"12-abc"'}) == ()
+    answer = {
+        "siblings": [
+            {"rfilename": "m.safetensors", "size": 5, "lfs": {"sha256": sha, "size": 9}},
+            {"rfilename": "config.json", "size": 3, "blobId": "b" * 40},
+            {"rfilename": "README.md"},
+        ]
+    }
+    assert mirror_files(answer) == [
+        ("m.safetensors", 9, (Checksum("sha256", sha),)),
+        ("config.json", 3, (Checksum("git-sha1", "b" * 40),)),
+        ("README.md", None, ()),
+    ]
+    with pytest.raises(ValueError, match="siblings"):
+        mirror_files({"id": "x"})
+
+
+def test_parts_cover_a_file_once_and_an_empty_file_is_one_empty_part() -> None:
+    file = RemoteFile("a", 10)
+    assert [(p.start, p.end) for p in parts_of(file, 4)] == [(0, 4), (4, 8), (8, 10)]
+    assert [p.index for p in parts_of(file, 4, skip=frozenset({1}))] == [0, 2]
+    assert [(p.start, p.end) for p in parts_of(RemoteFile("e", 0), 4)] == [(0, 0)]
+
+
+def test_a_record_resumes_only_files_that_are_still_the_same() -> None:
+    same, changed = RemoteFile("a", 10, (Checksum("md5", "1" * 32),)), RemoteFile("b", 10)
+    record = progress_record(
+        name="m",
+        source="s3://b/p/",
+        files=[same, changed],
+        part_size=4,
+        done={"a": frozenset({0, 2}), "b": frozenset({1})},
+    )
+    record = json.loads(json.dumps(record))
+    assert same_fetch(record, name="m", source="s3://b/p/")
+    assert not same_fetch(record, name="m", source="s3://b/q/")
+    now = [same, RemoteFile("b", 11)]
+    assert resumable(record, now, 4) == {"a": frozenset({0, 2})}
+    assert resumable(record, now, 8) == {}
+    record["files"][0]["done"] = [0, 7, "x"]
+    assert resumable(record, now, 4) == {"a": frozenset({0})}
+
+
+def test_a_published_model_is_checked_by_its_manifests_sizes() -> None:
+    record = {"files": [{"path": "a", "size": 3}, {"path": "b", "size": 4}]}
+    assert manifest_problems(record, {"a": 3, "b": 4}) == []
+    assert manifest_problems(record, {"a": 3, "b": None}) == ["b: None bytes on disk, 4 in the manifest"]
+    assert manifest_problems(None, {}) == ["no readable manifest"]
+    assert manifest_problems({"files": []}, {}) == ["no readable manifest"]
+
+
+def _checked(tmp_path: Path, data: bytes, file: RemoteFile) -> tuple[str | None, Checksum | None]:
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return check_file(fd, file)
+    finally:
+        os.close(fd)
+
+
+def test_a_multipart_etag_is_the_md5_of_the_parts_md5s(tmp_path: Path) -> None:
+    data = os.urandom(2 * 1024 * 1024 + 100)
+    size = 1024 * 1024
+    digests = b"".join(hashlib.md5(data[i : i + size]).digest() for i in range(0, len(data), size))
+    etag = f"{hashlib.md5(digests).hexdigest()}-3"
+    checksum = Checksum("s3-multipart", etag, size)
+    assert _checked(tmp_path, data, RemoteFile("f", len(data), (checksum,))) == (None, checksum)
+    exact = data[: 2 * size]  # parts that end exactly at the end of the file
+    combined = hashlib.md5(hashlib.md5(exact[:size]).digest() + hashlib.md5(exact[size:]).digest()).hexdigest()
+    two = Checksum("s3-multipart", f"{combined}-2", size)
+    assert _checked(tmp_path, exact, RemoteFile("f", len(exact), (two,)))[0] is None
+    problem, _ = _checked(tmp_path, data[:-1] + b"!", RemoteFile("f", len(data), (checksum,)))
+    assert problem is not None
+    assert problem.startswith("f: s3-multipart ")
+
+
+def test_git_blob_ids_and_sizes_are_checked(tmp_path: Path) -> None:
+    blob = Checksum("git-sha1", "ce013625030ba8dba906f756967f9e9ca394464a")  # git hash-object of "hello\n"
+    assert _checked(tmp_path, b"hello\n", RemoteFile("f", 6, (blob,))) == (None, blob)
+    assert _checked(tmp_path, b"hello\n", RemoteFile("f", 7, (blob,)))[0] == "f: 6 bytes, the source lists 7"
+
+
+def _safetensors(header: object, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (_safetensors({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), None),
+        (_safetensors({"__metadata__": {"format": "pt"}}, b""), None),
+        (_safetensors({"w": {"data_offsets": [0, 9]}}, b"\0" * 8), "outside the 8 bytes"),
+        (struct.pack("<Q", 1000) + b"{}", "does not fit"),
+        (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+        (struct.pack("<Q", 2) + b"\xff\xfe", "not JSON"),
+        (b"abc", "has no header"),
+    ],
+)
+def test_a_safetensors_header_must_parse_and_point_inside_the_file(
+    tmp_path: Path, content: bytes, problem: str | None
+) -> None:
+    found, _ = _checked(tmp_path, content, RemoteFile("m.safetensors", len(content)))
+    assert found is None if problem is None else (found is not None and problem in found)
+
+
+def test_the_progress_line_shows_bytes_rate_and_eta() -> None:
+    now = [0.0]
+    progress = Progress(total_bytes=4 * 1024**3, resumed_bytes=1024**3, files=4, clock=lambda: now[0])
+    progress.add(1024**3)
+    now[0] = 2.0
+    line = progress.line(now[0])
+    assert " 50% 2.0 GiB / 4.0 GiB  512.0 MiB/s  ETA 4s" in line
+    assert progress.fields(now[0])["mb_per_s"] == round(1024**3 / 1e6 / 2, 1)
+
+
+def test_spotdrain_cache_alone_still_prepares_and_cache_fetch_fetches() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["cache", "--model-cache-path", "/mnt/c"]).cache_command is None
+    args = parser.parse_args(["cache", "fetch", "s3://b/p/", "--name", "llama", "--concurrency", "8"])
+    assert (args.cache_command, args.source, args.name, args.concurrency) == ("fetch", "s3://b/p/", "llama", 8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["cache", "fetch", "s3://b/p/"], "--name is required"),
+        (["cache", "fetch", "ftp://x", "--name", "m"], "SOURCE: 'ftp://x' is neither"),
+        (["cache", "fetch", "s3://b/p/", "--name", ".staging"], "--name must be"),
+        (["cache", "fetch", "s3://b/p/", "--name", "m", "--model-cache-path", "rel"], "--model-cache-path must"),
+    ],
+)
+def test_a_fetch_with_bad_settings_says_which_and_exits_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert f"spotdrain cache fetch: error: {message}" in capsys.readouterr().err
