@@ -144,6 +144,8 @@ class Bench:
     def prepare(self, way: Way | None) -> None:
         if way is not None:
             shutil.rmtree(way.wipe, ignore_errors=True)
+            if way.tool == "spotdrain":  # the cache exists, mounted, before anything is fetched into it
+                way.wipe.mkdir(parents=True)
         if self.options.drop_caches:
             self.dropped.append(drop_page_cache())
         else:

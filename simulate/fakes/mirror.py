@@ -45,6 +45,9 @@ class FaultyServer:
     chunk_delay_s: float = 0.0  # a pause after every 64 KiB of a body, to make a transfer last
     sizeless: set[str] = field(default_factory=set)  # paths listed by name alone (as without ?blobs=true)
     listed_only: set[str] = field(default_factory=set)  # paths in the model info that are not served
+    # The status of a range's answer: 206, or 200 with the Content-Range all the same (rclone serve s3's), or None
+    # for a server that ignores Range and sends the whole file with a 200.
+    range_status: int | None = 206
     requests: list[Seen] = field(default_factory=list)
     _faults: list[tuple[str, str]] = field(default_factory=list)
     _session: aiohttp.ClientSession | None = None
@@ -126,10 +129,10 @@ class FaultyServer:
             headers["ETag"] = headers["X-Linked-Etag"] = f'"{sha256}"'
         status, body = 200, data
         match = _RANGE.fullmatch(request.headers.get("Range", ""))
-        if match is not None:
+        if match is not None and self.range_status is not None:
             start = int(match[1])
             end = min(int(match[2]) if match[2] else len(data) - 1, len(data) - 1)
-            status, body = 206, data[start : end + 1]
+            status, body = self.range_status, data[start : end + 1]
             headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
         response = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(body))})
         await response.prepare(request)

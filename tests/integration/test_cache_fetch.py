@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -248,6 +249,20 @@ async def test_a_mirror_that_drops_and_corrupts_once_still_gives_the_identical_m
     assert_published_whole(cache)
     assert len(mirror[0].ranges("big.bin")) == 7 + 1
     assert len(mirror[0].ranges("model-00001-of-00002.safetensors")) == 2 + 2  # the whole file again
+
+
+async def test_a_range_answered_with_a_200_naming_it_is_taken_and_one_ignored_is_refused(
+    cache: Path, mirror: tuple[FaultyServer, str]
+) -> None:
+    mirror[0].range_status = 200  # as rclone serve s3 answers a ranged GET
+    await fetch(mirror_settings(mirror, cache))
+    assert_published_whole(cache)
+    assert len(mirror[0].ranges("big.bin")) == 7
+    shutil.rmtree(cache / "models" / "llama")
+    mirror[0].range_status = None  # the whole file for every part: never written at a part's offset
+    with pytest.raises(FetchError, match=r"big\.bin|got HTTP 200"):
+        await fetch(mirror_settings(mirror, cache))
+    assert not (cache / "models" / "llama").exists()
 
 
 async def test_a_mirror_file_without_size_in_the_listing_is_asked_for_it(
