@@ -211,7 +211,8 @@ def test_spotdrain_cache_alone_still_prepares_and_cache_fetch_fetches() -> None:
     ],
 )
 def test_a_fetch_with_bad_settings_says_which_and_exits_2(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr("spotdrain.cli.configure_logging", lambda **_: None)  # the suite's logs stay capturable
     assert main(argv) == 2
     assert f"spotdrain cache fetch: error: {message}" in capsys.readouterr().err
