@@ -175,7 +175,8 @@ async def test_a_spot_notice_is_yielded_once_across_many_polls(
     assert source.notices == []
     with capture_logs() as logs:
         fake.schedule_spot("terminate", NOTICE_TIME)
-        await source.until(lambda: fake.requests[SPOT] >= 15)
+        # The fake counts a request when it arrives, the source a poll once its answer is read: wait for both.
+        await source.until(lambda: fake.requests[SPOT] >= 15 and source.polls() >= 15)
     [notice] = source.notices
     assert (notice.kind, notice.deadline, notice.detail) == (Kind.SPOT_INTERRUPTION, NOTICE_TIME, "terminate")
     assert [log["notice"] for log in logs if log["event"] == "imds.notice"] == [notice.id]
