@@ -27,8 +27,7 @@ from tests.engines.cut_proxy import cut_proxy
 from tests.gateway_harness import Running, gateway, metric
 
 PER_PATH = 28
-MAX_TOKENS = 80
-# Long streams: still generating when their server is killed at the tiny model's fastest (vLLM alone on the
+# Long streams: still generating when their server is killed or stopped at the tiny model's fastest (vLLM alone on the
 # machine; at 80 a quiet machine finished them all before the kill), and long enough for vLLM to merge steps into
 # one chunk now and then (a chunk of several tokens whose last one starts a character made a prompt echo possible).
 LONG_MAX_TOKENS = 300
@@ -46,7 +45,7 @@ def prompt(index: int) -> str:
     return " ".join(WORDS[(index * 7 + k * 3) % len(WORDS)] for k in range(3 + index % 5)) + f" {index}"
 
 
-def requests(max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict[str, Any]]]:
+def requests(max_tokens: int = LONG_MAX_TOKENS) -> list[tuple[str, dict[str, Any]]]:
     """Completions and chats, greedy, with usage; a third ask for token ids themselves."""
     out: list[tuple[str, dict[str, Any]]] = []
     for index in range(PER_PATH):
@@ -123,7 +122,7 @@ def cut_points(want: Streamed, index: int) -> int | None:
 
 
 async def test_streams_dropped_after_any_token_continue_exactly(vllm_servers: list[VllmServer]) -> None:
-    calls = requests(LONG_MAX_TOKENS)
+    calls = requests()
     want = await references(vllm_servers[0], calls)
     async with (
         cut_proxy(vllm_servers[0].url) as (first, first_port),
@@ -223,7 +222,7 @@ def longest_silence(streams: list[Streamed]) -> float:
 
 async def test_streams_on_a_killed_server_continue_exactly(vllm_pool: list[VllmServer]) -> None:
     serving, spare = live(vllm_pool, 2)
-    calls = requests(LONG_MAX_TOKENS)
+    calls = requests()
     want = await references(spare, calls)
     async with readiness(2) as (ready, urls):
         ready[1] = False  # every stream starts on the first server
