@@ -182,9 +182,10 @@ async def test_under_a_shutdown_timeout_a_token_id_prompt_gets_a_200_with_nothin
 
 
 async def test_the_gauges_count_a_request_only_from_its_first_token() -> None:
-    async with engine(EngineConfig(tokens_per_s=4)) as fake, aiohttp.ClientSession() as s:
-        frames = fake.read(s, chat=False, max_tokens=3)
-        await asyncio.sleep(0.1)  # sent, and far from its first token (at 0.25 s)
+    # Its first token at 0.5 s: time enough for a scrape of the page on a busy machine.
+    async with engine(EngineConfig(tokens_per_s=2)) as fake, aiohttp.ClientSession() as s:
+        frames = fake.read(s, chat=False, max_tokens=2)
+        await asyncio.sleep(0.1)  # sent, and far from its first token
         assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_running") == 0
         assert await scrape(f"{fake.url}/metrics", "vllm:num_requests_waiting") == 0
         await until(lambda: len(frames.data()) >= 1)
