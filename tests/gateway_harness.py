@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from simulate.fakes.engine import EngineConfig, serve_engine
 from simulate.fakes.processes import free_port, wait_http
 from simulate.fakes.sse_client import Streamed, read_stream
-from tests.conftest import running_engine
+from tests.conftest import running_engine, serving_app
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,17 @@ async def metric(running: Running, sample: str) -> float:
         if line.startswith(sample + " "):
             return float(line.split()[-1])
     raise KeyError(sample)
+
+
+@asynccontextmanager
+async def readiness(count: int) -> AsyncIterator[tuple[list[bool], list[str]]]:
+    """Ready URLs the test turns on and off, standing for the backends' sidecars."""
+    ready = [True] * count
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(status=200 if ready[int(request.match_info["index"])] else 503)
+
+    app = web.Application()
+    app.router.add_get("/ready/{index}", answer)
+    async with serving_app(app) as port:
+        yield ready, [f"http://127.0.0.1:{port}/ready/{index}" for index in range(count)]

@@ -18,13 +18,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from simulate.fakes.sse_client import Streamed, read_stream
 from simulate.vllm.server import MODEL_NAME, VllmServer
-from tests.conftest import serving_app
 from tests.engines.cut_proxy import cut_proxy
-from tests.gateway_harness import Running, gateway, metric
+from tests.gateway_harness import Running, gateway, metric, readiness
 
 PER_PATH = 28
 # Long streams: still generating when their server is killed or stopped at the tiny model's fastest (vLLM alone on the
@@ -156,20 +154,6 @@ async def continuation_methods(gw: Running) -> dict[str, float]:
     names = ("token_ids", "text", "restart")
     sample = 'spotdrain_gateway_continuation_methods_total{{method="{}"}}'
     return {name: await metric(gw, sample.format(name)) for name in names}
-
-
-@asynccontextmanager
-async def readiness(count: int) -> AsyncIterator[tuple[list[bool], list[str]]]:
-    """Ready URLs the test turns on and off, standing for the backends' sidecars."""
-    ready = [True] * count
-
-    async def answer(request: web.Request) -> web.Response:
-        return web.Response(status=200 if ready[int(request.match_info["index"])] else 503)
-
-    app = web.Application()
-    app.router.add_get("/ready/{index}", answer)
-    async with serving_app(app) as port:
-        yield ready, [f"http://127.0.0.1:{port}/ready/{index}" for index in range(count)]
 
 
 def live(pool: list[VllmServer], count: int) -> list[VllmServer]:

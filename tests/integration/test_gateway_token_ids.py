@@ -26,7 +26,7 @@ from simulate.fakes.processes import free_port, wait_http
 from simulate.fakes.sse_client import Streamed, read_stream
 from simulate.fakes.tokens import Detokenizer
 from tests.conftest import serving_app
-from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, reference
+from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric, readiness, reference
 
 COMPLETION = ("/v1/completions", {"prompt": "once upon a time", "max_tokens": 40})
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 40})
@@ -227,27 +227,20 @@ async def test_a_stream_hung_on_a_backend_that_refuses_connections_continues_wit
 async def test_a_stream_hung_on_a_draining_backend_continues_within_the_stall_bound() -> None:
     path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
     want = await reference(path, body)
-    draining = False
-
-    async def ready(_: web.Request) -> web.Response:
-        return web.Response(status=503 if draining else 200)
-
-    app = web.Application()
-    app.router.add_get("/ready", ready)
     async with (
         hanging_engine() as (hung, _),
         engines(HEALTHY) as (healthy,),
-        serving_app(app) as sidecar,
+        readiness(1) as (ready, (sidecar,)),
     ):
         flags = (
             "--ready-url",
-            f"http://127.0.0.1:{sidecar}/ready",
+            sidecar,
             "--ready-url",
             f"http://127.0.0.1:{healthy}/health",
         )
         async with gateway(hung, healthy, flags=flags) as gw, aiohttp.ClientSession() as session:
             running = await _hung(gw.url(path), body, session)
-            draining = True  # its sidecar started draining: out of rotation
+            ready[0] = False  # its sidecar started draining: out of rotation
             started = time.monotonic()
             got = await running
             waited = time.monotonic() - started
@@ -338,26 +331,15 @@ async def test_a_broken_stream_with_only_its_own_backend_ready_looks_again_for_a
     continuation goes there rather than back to the server that failed it, without waiting for the next check."""
     path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
     want = await reference(path, body)
-    spare_ready = False
-
-    async def ready(_: web.Request) -> web.Response:
-        return web.Response(status=200 if spare_ready else 503)
-
-    app = web.Application()
-    app.router.add_get("/ready", ready)
     failing = EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, fault="error", fault_after=5)
-    async with engines(failing, HEALTHY) as (first, spare), serving_app(app) as readiness:
-        flags = (
-            "--ready-url",
-            f"http://127.0.0.1:{first}/health",
-            "--ready-url",
-            f"http://127.0.0.1:{readiness}/ready",
-        )
+    async with engines(failing, HEALTHY) as (first, spare), readiness(1) as (ready, (spare_url,)):
+        ready[0] = False
+        flags = ("--ready-url", f"http://127.0.0.1:{first}/health", "--ready-url", spare_url)
         async with gateway(first, spare, flags=(*flags, "--health-interval", "60")) as gw:
             async with asyncio.timeout(10):
                 while await metric(gw, "spotdrain_gateway_backends_ready") != 1:
                     await asyncio.sleep(0.05)
-            spare_ready = True  # not seen before the next check, 60 s away
+            ready[0] = True  # not seen before the next check, 60 s away
             started = time.monotonic()
             async with aiohttp.ClientSession() as session:
                 got = await read_stream(gw.url(path), body, session=session)
