@@ -10,9 +10,10 @@ would be, and no dirty pages. A run's time ends when the tool has exited and ``s
 fsyncs what it publishes and the peers do not. Every copy is checked against the model's size and SHA-256 per file;
 a tool whose run produced other bytes, or failed, gets no figure, only the reason.
 
-Two reference rows say which side is the bottleneck: the filesystem's own sequential write rate on the destination
-(16 MiB writes of the model's size, then fsync), and the source's rate for one plain GET of its largest object
-(curl, signed with the server's keys).
+Reference rows say which side is the bottleneck: the filesystem's own sequential write rate on the destination
+(16 MiB writes of the model's size, then fsync), the source's rate for plain GETs (curl, signed with the server's
+keys), and what each kind of checksum a fetch checks a file against costs a core (the server gives MD5 ETags only,
+as S3 does for an object uploaded without a checksum; S3 gives objects uploaded since December 2024 a CRC64NVME).
 
 The targets from the model-cache issue: ours at least 1.0x s5cmd's throughput at each tool's defaults and tuned;
 within 10 % of the disk's write rate where the source is faster than the disk; ours at most 150 MB resident.
@@ -34,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.cache.fetch.sources import Checksum, RemoteFile
+from agent.cache.fetch.verify import Digest
 from bench import fetch_peers
 from bench.common import Result, cpu_s, missed
 from bench.fetch_peers import Missing, Ran, Way, run_measured
@@ -206,7 +209,33 @@ def _reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> 
     disk.mib_per_s = round(total / MIB / min(writes), 1)
     one = _source_row(bench, server, why_no_server, every=False)
     every = _source_row(bench, server, why_no_server, every=True)
-    return [disk, one, every]
+    return [disk, one, every, *_checksum_rows(bench)]
+
+
+CHECKSUM_KINDS = ("md5", "sha256", "crc32", "crc32c", "crc64nvme")
+
+
+def _checksum_rows(bench: Bench) -> list[Row]:
+    """What checking costs: each kind of checksum a fetch can check a file against, fed by the fetch's own code
+    (``Digest``) over the largest file of the source from the page cache, on one core."""
+    path = max(bench.source.files, key=lambda f: f.stat().st_size)
+    size = path.stat().st_size
+    warm([path])
+    rows = []
+    for kind in CHECKSUM_KINDS:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            digest = Digest(RemoteFile(path.name, size, (Checksum(kind, ""),)))
+            started, cpu = time.perf_counter(), time.process_time()
+            digest.feed(fd, size)
+            seconds, used = time.perf_counter() - started, time.process_time() - cpu
+        finally:
+            os.close(fd)
+        row = Row("checksum", kind, f"spotdrain's check of {size / MIB:.0f} MiB, one core", verified=None)
+        row.seconds, row.mib_per_s = round(seconds, 3), round(size / MIB / seconds, 1)
+        row.cpu_s_per_gib = round(used / (size / GIB), 3)
+        rows.append(row)
+    return rows
 
 
 ONE_GET, EVERY_GET = "one GET (curl)", "every object at once (curl --parallel)"

@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "gateway.settings",
         "gateway.main",
     ),
-    "cache": ("prepare the NVMe model cache once and exit", "agent.cache.settings", "agent.cache.run"),
+    "cache": ("prepare the NVMe model cache once and exit", "agent.cache.settings", "agent.cache.main"),
     "inject": (
         "print a manifest with the sidecar, probes, preStop, volume and grace period added",
         "inject.cli",

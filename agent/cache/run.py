@@ -138,10 +138,6 @@ async def run(settings: CacheCommandSettings, *, runner: Runner | None = None) -
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "cache_command", None) == "fetch":
-        from agent.cache.fetch import run as fetch
-
-        return fetch.main(args)
     settings = command_from_arguments(args)
     log_effective("cache", settings)
     try:

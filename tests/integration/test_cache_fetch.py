@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.config
 import moto.s3 as moto_s3
 import pytest
+from awscrt import checksums as crt
 from structlog.testing import capture_logs
 
 from agent.cache.fetch.parts import MANIFEST, PROGRESS
@@ -49,6 +51,13 @@ MODEL = {
     "config.json": b'{"architectures": ["LlamaForCausalLM"]}',
     "tokenizer/tokenizer.json": b'{"version": "1.0"}',
 }
+# How each object is uploaded with a checksum S3 keeps beside it (the others: big.bin multipart, with its ETag
+# alone; tokenizer.json without a checksum, so its MD5 ETag).
+ALGORITHMS = {
+    "model-00001-of-00002.safetensors": "CRC64NVME",
+    "model-00002-of-00002.safetensors": "CRC32C",
+    "config.json": "SHA256",
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +70,24 @@ def bucket(moto: MotoServer) -> str:
         aws_access_key_id=ACCESS_KEY_ID,
         aws_secret_access_key=SECRET_ACCESS_KEY,
     )
+    etag_only = boto3.client(
+        "s3",
+        region_name=REGION,
+        endpoint_url=moto.endpoint_url,
+        aws_access_key_id=ACCESS_KEY_ID,
+        aws_secret_access_key=SECRET_ACCESS_KEY,
+        config=botocore.config.Config(request_checksum_calculation="when_required"),
+    )
     name = f"models-{uuid.uuid4().hex[:12]}"
     s3.create_bucket(Bucket=name)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(moto_s3.models, "S3_UPLOAD_PART_MIN_SIZE", MIB)  # S3's is 5 MiB: smaller parts, faster tests
         for path, data in MODEL.items():
-            if path == "config.json":
-                s3.put_object(Bucket=name, Key=f"llama/{path}", Body=data, ChecksumAlgorithm="SHA256")
+            if path in ALGORITHMS:
+                s3.put_object(Bucket=name, Key=f"llama/{path}", Body=data, ChecksumAlgorithm=ALGORITHMS[path])
                 continue
-            if path != "big.bin":
-                s3.put_object(Bucket=name, Key=f"llama/{path}", Body=data)
+            if path != "big.bin":  # an uploader that sends no checksum: the object has its MD5 ETag alone
+                etag_only.put_object(Bucket=name, Key=f"llama/{path}", Body=data)
                 continue
             key = f"llama/{path}"
             upload = s3.create_multipart_upload(Bucket=name, Key=key)["UploadId"]
@@ -160,6 +177,15 @@ async def test_an_s3_prefix_lands_whole_with_a_manifest_of_what_each_file_was_ch
     assert checks["big.bin"]["part_size"] == 2 * MIB
     assert checks["tokenizer/tokenizer.json"]["kind"] == "md5"
     assert checks["config.json"] == {"kind": "sha256", "value": hashlib.sha256(MODEL["config.json"]).hexdigest()}
+    first, second = MODEL["model-00001-of-00002.safetensors"], MODEL["model-00002-of-00002.safetensors"]
+    assert checks["model-00001-of-00002.safetensors"] == {
+        "kind": "crc64nvme",
+        "value": crt.crc64nvme(first).to_bytes(8, "big").hex(),
+    }
+    assert checks["model-00002-of-00002.safetensors"] == {
+        "kind": "crc32c",
+        "value": crt.crc32c(second).to_bytes(4, "big").hex(),
+    }
     assert {entry["path"]: entry["size"] for entry in record["files"]} == {p: len(d) for p, d in MODEL.items()}
     assert record["source"] == f"s3://{bucket}/llama/"
     assert record["fetched_at"].endswith("Z")

@@ -7,9 +7,12 @@ import hashlib
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
+from awscrt import checksums as crt
 
 from agent.cache.fetch.parts import manifest_problems, parts_of, progress_record, resumable, same_fetch
 from agent.cache.fetch.progress import Progress
@@ -62,14 +65,27 @@ def test_a_listed_name_that_would_leave_the_model_directory_is_refused(name: str
 
 def test_s3_checksums_trust_an_etag_only_where_it_is_an_md5() -> None:
     md5 = "9e107d9d372bb6826bd81d3542a419d6"
-    assert s3_checksums(etag=f'"{md5}"', part_size=10, sha256_b64=None, encrypted=False) == (Checksum("md5", md5),)
-    multipart = s3_checksums(etag=f'"{md5}-3"', part_size=8, sha256_b64=None, encrypted=False)
+    assert s3_checksums(etag=f'"{md5}"', part_size=10, whole_b64={}, encrypted=False) == (Checksum("md5", md5),)
+    multipart = s3_checksums(etag=f'"{md5}-3"', part_size=8, whole_b64={}, encrypted=False)
     assert multipart == (Checksum("s3-multipart", f"{md5}-3", 8),)
-    assert s3_checksums(etag=f'"{md5}"', part_size=10, sha256_b64=None, encrypted=True) == ()
+    assert s3_checksums(etag=f'"{md5}"', part_size=10, whole_b64={}, encrypted=True) == ()
     digest = hashlib.sha256(b"x").digest()
-    whole = s3_checksums(etag="", part_size=0, sha256_b64=base64.b64encode(digest).decode(), encrypted=True)
+    whole = s3_checksums(etag="", part_size=0, whole_b64={"sha256": base64.b64encode(digest).decode()}, encrypted=True)
     assert whole == (Checksum("sha256", digest.hex()),)
-    assert s3_checksums(etag="", part_size=0, sha256_b64="abc=-2", encrypted=False) == ()
+    assert s3_checksums(etag="", part_size=0, whole_b64={"sha256": "abc=-2"}, encrypted=False) == ()
+    assert s3_checksums(etag="", part_size=0, whole_b64={"crc32": "not base64!"}, encrypted=False) == ()
+
+
+def test_s3_checksums_put_the_cheapest_first() -> None:
+    md5 = "9e107d9d372bb6826bd81d3542a419d6"
+    whole = {
+        "sha256": base64.b64encode(hashlib.sha256(b"x").digest()).decode(),
+        "crc32": base64.b64encode(zlib.crc32(b"x").to_bytes(4, "big")).decode(),
+        "crc64nvme": base64.b64encode(crt.crc64nvme(b"x").to_bytes(8, "big")).decode(),
+    }
+    found = s3_checksums(etag=f'"{md5}"', part_size=1, whole_b64=whole, encrypted=False)
+    assert [c.kind for c in found] == ["crc64nvme", "crc32", "sha256", "md5"]
+    assert found[0].value == crt.crc64nvme(b"x").to_bytes(8, "big").hex()
 
 
 def test_a_mirror_says_sha256_in_its_etags_and_its_listing() -> None:
@@ -216,3 +232,30 @@ def test_a_fetch_with_bad_settings_says_which_and_exits_2(
     monkeypatch.setattr("spotdrain.cli.configure_logging", lambda **_: None)  # the suite's logs stay capturable
     assert main(argv) == 2
     assert f"spotdrain cache fetch: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kind", "digest"),
+    [
+        ("crc64nvme", lambda data: crt.crc64nvme(data).to_bytes(8, "big").hex()),
+        ("crc32c", lambda data: crt.crc32c(data).to_bytes(4, "big").hex()),
+        ("crc32", lambda data: zlib.crc32(data).to_bytes(4, "big").hex()),
+        ("sha256", lambda data: hashlib.sha256(data).hexdigest()),
+        ("md5", lambda data: hashlib.md5(data).hexdigest()),
+    ],
+)
+def test_each_checksum_kind_finds_a_changed_byte(tmp_path: Path, kind: str, digest: Any) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 7)  # more than one read of the file back
+    checksum = Checksum(kind, digest(data))
+    assert _checked(tmp_path, data, RemoteFile("f", len(data), (checksum,))) == (None, checksum)
+    changed = data[:-1] + bytes([data[-1] ^ 1])
+    problem, matched = _checked(tmp_path, changed, RemoteFile("f", len(data), (checksum,)))
+    assert matched is None
+    assert problem == f"f: {kind} {digest(changed)}, the source says {checksum.value}"
+
+
+def test_a_file_is_checked_against_its_first_checksum_only(tmp_path: Path) -> None:
+    """The first is the cheapest; the others are recorded in the progress record, not computed."""
+    data = b"weights"
+    first = Checksum("crc32", zlib.crc32(data).to_bytes(4, "big").hex())
+    assert _checked(tmp_path, data, RemoteFile("f", len(data), (first, Checksum("md5", "0" * 32)))) == (None, first)

@@ -20,7 +20,14 @@ from tests.unit.import_graph import (
 )
 
 SIDECAR = ("spotdrain.cli", "sidecar.settings", "sidecar.main")
-AGENT = ("spotdrain.cli", "agent.node_settings", "agent.main", "agent.cache.settings", "agent.cache.run")
+AGENT = (
+    "spotdrain.cli",
+    "agent.node_settings",
+    "agent.main",
+    "agent.cache.settings",
+    "agent.cache.main",
+    "agent.cache.run",
+)
 WEBHOOK = ("spotdrain.cli", "webhook.settings", "webhook.server")
 
 

@@ -1,9 +1,11 @@
 """The transfers of one fetch: every missing part of every file, N at a time, each file checked once whole.
 
-Workers take parts from one queue across the files, so a model of a few large files keeps N requests open. Written
-parts are fsynced and recorded as done at every checkpoint (about twice a second, and at the end), so a fetch
-killed at any moment leaves a record of only parts whose bytes are on disk. A file whose check fails is fetched
-again once; a second failure ends the fetch with an error naming it.
+Workers take parts from one queue across the files, in turn, so a model of a few large files keeps N requests
+open. Written parts are fsynced and recorded as done at every checkpoint (about twice a second, and at the end), so
+a fetch killed at any moment leaves a record of only parts whose bytes are on disk. Each file's checksum is fed, in
+a thread, as far as the file is written from its start while its other parts arrive; once its last part is written,
+what is left is hashed and the file checked. A file whose check fails is fetched again once; a second failure ends
+the fetch with an error naming it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import itertools
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,16 +23,17 @@ from pathlib import Path
 import aiohttp
 import structlog
 
-from agent.cache.fetch.parts import PROGRESS, Part, parts_of, progress_record
+from agent.cache.fetch.parts import PROGRESS, Part, part_count, parts_of, progress_record
 from agent.cache.fetch.progress import Progress
 from agent.cache.fetch.sources import Checksum, RemoteFile
 from agent.cache.fetch.staging import write_json
 from agent.cache.fetch.transfer import FetchError, disk_error, get_part
-from agent.cache.fetch.verify import check_file
+from agent.cache.fetch.verify import Digest
 from spotdrain.retry import BACKOFF_S, ApiError, retrying
 
 log = structlog.get_logger()
 CHECKPOINT_S = 0.5
+HASH_STEP = 64 * 1024 * 1024  # bytes hashed per thread call, so that a cancelled fetch stops soon
 
 
 @dataclass
@@ -41,6 +45,9 @@ class FileState:
     left: int = 0  # parts of this round not yet written
     problem: str | None = None
     verified: Checksum | None = None
+    digest: Digest | None = None  # this round's
+    frontier: int = 0  # the first part not yet written: the file is whole before it
+    advanced: asyncio.Event = field(default_factory=asyncio.Event)  # a part of this file was written
 
 
 @dataclass
@@ -96,12 +103,14 @@ class Transfers:
         return fd
 
     async def _round(self, states: list[FileState]) -> None:
-        queue: deque[Part] = deque()
+        missing = []
         for state in states:
-            state.problem = None
-            missing = parts_of(state.file, self.part_size, skip=frozenset(state.done))
-            state.left = len(missing)
-            queue.extend(missing)
+            state.problem, state.digest, state.frontier = None, Digest(state.file), 0
+            missing.append(parts_of(state.file, self.part_size, skip=frozenset(state.done)))
+            state.left = len(missing[-1])
+        # The files' parts in turn: every file is written from its start at once, so each is hashed in a thread of
+        # its own while it arrives (an MD5 is one core's work, about 0.7 GB/s, however many parts are in flight).
+        queue = deque(part for parts in itertools.zip_longest(*missing) for part in parts if part is not None)
         try:
             await self._transfer(states, queue)
         except BaseException:
@@ -115,16 +124,15 @@ class Transfers:
         try:
             async with asyncio.TaskGroup() as group:
                 for state in states:
-                    if state.left == 0:
-                        group.create_task(self._check(state))
-                workers = [group.create_task(self._worker(queue, group)) for _ in range(self.concurrency)]
+                    group.create_task(self._verify(state))
+                workers = [group.create_task(self._worker(queue)) for _ in range(self.concurrency)]
                 group.create_task(self._checkpoints(workers))
         except* FetchError as errors:
             raise errors.exceptions[0] from None
         except* OSError as errors:
             raise errors.exceptions[0] from None
 
-    async def _worker(self, queue: deque[Part], group: asyncio.TaskGroup) -> None:
+    async def _worker(self, queue: deque[Part]) -> None:
         """Takes parts until the queue is empty; raises FetchError for a part that cannot be had."""
         while queue:
             part = queue.popleft()
@@ -132,8 +140,7 @@ class Transfers:
             await self._fetch(part, state)
             state.written.add(part.index)
             state.left -= 1
-            if state.left == 0:
-                group.create_task(self._check(state))
+            state.advanced.set()
 
     async def _fetch(self, part: Part, state: FileState) -> None:
         path = part.file.path
@@ -155,12 +162,32 @@ class Transfers:
         except OSError as error:
             raise disk_error(error, path) from None
 
-    async def _check(self, state: FileState) -> None:
+    async def _verify(self, state: FileState) -> None:
+        """Hashes the file as far as it is written from its start, until all of it is; then checks it."""
+        digest = state.digest
+        assert digest is not None
+        while True:
+            state.advanced.clear()
+            upto = self._whole_to(state)
+            if upto > digest.offset:
+                await asyncio.to_thread(digest.feed, state.fd, min(upto, digest.offset + HASH_STEP))
+            elif state.left == 0:
+                break
+            else:
+                await state.advanced.wait()
+
         def check() -> tuple[str | None, Checksum | None]:
             os.fsync(state.fd)
-            return check_file(state.fd, state.file)
+            return digest.check(state.fd)
 
         state.problem, state.verified = await asyncio.to_thread(check)
+
+    def _whole_to(self, state: FileState) -> int:
+        """The offset up to which every part of the file is written."""
+        count = part_count(state.file.size, self.part_size)
+        while state.frontier < count and (state.frontier in state.done or state.frontier in state.written):
+            state.frontier += 1
+        return min(state.file.size, state.frontier * self.part_size)
 
     async def _checkpoints(self, workers: list[asyncio.Task[None]]) -> None:
         """Fsyncs and records the written parts every CHECKPOINT_S; returns once the workers are done."""

@@ -93,7 +93,7 @@ class S3Listing:
         return answer
 
     def _file(self, item: dict[str, Any], head: dict[str, Any]) -> RemoteFile:
-        from agent.cache.fetch.sources import s3_checksums
+        from agent.cache.fetch.sources import S3_WHOLE_CHECKSUMS, s3_checksums
 
         key = item["Key"]
         try:
@@ -104,7 +104,7 @@ class S3Listing:
         checksums = s3_checksums(
             etag=str(item.get("ETag", "")),
             part_size=int(head.get("ContentLength", 0)),
-            sha256_b64=head.get("ChecksumSHA256"),
+            whole_b64={kind: head.get(f"Checksum{kind.upper()}") or "" for kind in S3_WHOLE_CHECKSUMS},
             encrypted=encrypted,
         )
         return RemoteFile(path=path, size=int(item["Size"]), checksums=checksums, key=key)

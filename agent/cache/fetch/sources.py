@@ -58,7 +58,8 @@ Source = S3Source | MirrorSource
 class Checksum:
     """What the source says a file's content hashes to. ``kind``: ``md5`` (a single-part S3 ETag), ``s3-multipart``
     (``md5(md5(part1) + md5(part2) ...)-N`` over parts of ``part_size`` bytes), ``sha256``, ``git-sha1`` (a git blob
-    id: ``sha1(b"blob <size>\\0" + content)``)."""
+    id: ``sha1(b"blob <size>\\0" + content)``), ``crc64nvme``, ``crc32c``, ``crc32`` (S3's full-object checksums, as
+    the hex of their big-endian bytes). A file's first checksum, the cheapest, is the one it is checked against."""
 
     kind: str
     value: str
@@ -108,13 +109,25 @@ def relative_path(name: str) -> str:
     return name
 
 
-def s3_checksums(*, etag: str, part_size: int, sha256_b64: str | None, encrypted: bool) -> tuple[Checksum, ...]:
-    """What an S3 object's headers say about its content. An ETag is an MD5 only for objects without SSE-KMS or
-    SSE-C (https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html); a composite checksum (``...-N``) is not
-    one of the whole content and is passed over."""
+# The full-object checksums S3 keeps beside an object (``x-amz-checksum-*``, HeadObject with ChecksumMode=ENABLED),
+# cheapest to compute first. Since December 2024 S3 gives every new object a CRC64NVME unless its uploader chose
+# another (https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html).
+S3_WHOLE_CHECKSUMS = ("crc64nvme", "crc32c", "crc32", "sha256")
+
+
+def s3_checksums(*, etag: str, part_size: int, whole_b64: dict[str, str], encrypted: bool) -> tuple[Checksum, ...]:
+    """What an S3 object's headers say about its content, cheapest to check first: its full-object checksums
+    (``whole_b64``, base64 by kind), then its ETag. An ETag is an MD5 only for objects without SSE-KMS or SSE-C
+    (https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html); a composite checksum (``...-N``) is not one of
+    the whole content and is passed over."""
     found: list[Checksum] = []
-    if sha256_b64 and "-" not in sha256_b64:
-        found.append(Checksum("sha256", base64.b64decode(sha256_b64).hex()))
+    for kind in S3_WHOLE_CHECKSUMS:
+        value = whole_b64.get(kind)
+        if value and "-" not in value:
+            try:
+                found.append(Checksum(kind, base64.b64decode(value, validate=True).hex()))
+            except ValueError:
+                continue
     tag = etag.strip('"').lower()
     if not encrypted and _MD5.fullmatch(tag):
         found.append(Checksum("md5", tag))
