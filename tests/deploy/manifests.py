@@ -490,7 +490,7 @@ def parse(call: Invocation, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     except SystemExit:
         pytest.fail(f"{call.where}: spotdrain {' '.join(call.argv)}\n{capsys.readouterr().err}")
     module = importlib.import_module(COMMANDS[call.subcommand][1])
-    if getattr(args, "cache_command", None) == "fetch":  # `spotdrain cache fetch`: its own settings (agent/cache/run.py)
+    if getattr(args, "cache_command", None) == "fetch":  # `spotdrain cache fetch` has its own (agent/cache/run.py)
         module = importlib.import_module("agent.cache.fetch.settings")
     return module.from_arguments(args) if hasattr(module, "from_arguments") else args
 

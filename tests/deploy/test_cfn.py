@@ -58,7 +58,7 @@ def _cfn_lint() -> list[str]:
 
 
 def test_every_template_is_one_of_these() -> None:
-    assert TEMPLATES == sorted([TEMPLATE, MODEL_CACHE])
+    assert sorted([TEMPLATE, MODEL_CACHE]) == TEMPLATES
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
@@ -106,7 +106,7 @@ def test_the_agents_policy_allows_exactly_the_aws_calls_it_makes() -> None:
     assert granted == wanted
 
 
-# The model cache ----------------------------------------------------------------------------------------------------
+# The model cache ---------------------------------------------------------------------------------------------------
 
 PSEUDO = {"AWS::Partition": "aws", "AWS::Region": "us-east-1", "AWS::AccountId": "111122223333"}
 OIDC = "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
@@ -210,6 +210,7 @@ def test_the_model_policy_allows_exactly_the_s3_calls_the_fetch_makes() -> None:
 
 def _trust(role: Obj) -> Obj:
     document: Obj = json.loads(role["AssumeRolePolicyDocument"])
+    statement: Obj
     [statement] = document["Statement"]
     return statement
 

@@ -94,12 +94,14 @@ def _entries(annotation: str) -> dict[str, str]:
     entries = {}
     for entry in re.split(r"[\s,]+", annotation.strip()):
         name, equals, source = entry.partition("=")
-        assert equals and name and source, f"not NAME=SOURCE: {entry!r}"
+        assert equals, f"not NAME=SOURCE: {entry!r}"
+        assert name, f"no NAME: {entry!r}"
+        assert source, f"no SOURCE: {entry!r}"
         entries[name] = source
     return entries
 
 
-# The init container and the engine ----------------------------------------------------------------------------------
+# The init container and the engine ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("directory", INFERENCE)
@@ -163,12 +165,13 @@ def test_nodes_that_prefetched_the_model_are_preferred_among_ready_caches(
         affinity = template.spec["affinity"]["nodeAffinity"]
         required = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         assert all(any(e["key"] == READY_LABEL for e in term["matchExpressions"]) for term in required)
-        preferred = [p["preference"]["matchExpressions"] for p in affinity["preferredDuringSchedulingIgnoredDuringExecution"]]
-        assert [{"key": MODEL_LABEL + name, "operator": "In", "values": ["ready"]}] in preferred, template.name
+        preferred = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+        wanted = [{"key": MODEL_LABEL + name, "operator": "In", "values": ["ready"]}]
+        assert wanted in [p["preference"]["matchExpressions"] for p in preferred], template.name
         assert LABEL_NAME.fullmatch((MODEL_LABEL + name).partition("/")[2]), f"not a label name: {name}"
 
 
-# What the NodePool prefetches -----------------------------------------------------------------------------------------
+# What the NodePool prefetches --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rendering", ["deploy/examples/full", "deploy/components/karpenter"])
@@ -198,7 +201,7 @@ def test_an_annotation_entry_is_name_equals_source() -> None:
     }
 
 
-# AWS credentials -------------------------------------------------------------------------------------------------------
+# AWS credentials ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("directory", INFERENCE)
@@ -208,37 +211,26 @@ def test_only_the_init_container_gets_the_aws_role(directory: str) -> None:
     for template, container in _fetching(objects):
         [account] = named(objects, "ServiceAccount", template.spec["serviceAccountName"])
         assert ROLE in account["metadata"]["annotations"]
-        others = {c["name"] for c in template.containers + template.spec.get("initContainers", [])} - {container["name"]}
+        others = {c["name"] for c in template.containers + template.spec.get("initContainers", [])}
+        others.discard(container["name"])
         if template.owner["kind"] == "RayCluster":
             others.add(KUBERAY_INIT)
         assert set(template.annotations[SKIP].split(",")) == others, template.name
 
 
-def _roles() -> dict[tuple[str, str], set[str]]:
-    """Each annotated service account, (namespace, name), to the role ARNs the renderings give it."""
-    roles: dict[tuple[str, str], set[str]] = {}
+def test_every_role_is_a_listed_placeholder_and_the_model_stack_trusts_its_accounts() -> None:
+    accounts: dict[str, set[str]] = {}  # a role's name: NAMESPACE:NAME of every account annotated with it
     for rendering in renderings():
         for account in named(render(rendering), "ServiceAccount"):
             metadata = account["metadata"]
-            if ROLE in (metadata.get("annotations") or {}):
-                key = (metadata.get("namespace", ""), metadata["name"])
-                roles.setdefault(key, set()).add(metadata["annotations"][ROLE])
-    return roles
-
-
-def test_every_role_is_a_listed_placeholder_and_the_model_stack_trusts_its_accounts() -> None:
-    roles = _roles()
-    assert {role for each in roles.values() for role in each} <= set(listed_placeholders())
-    assert all(len(each) == 1 for each in roles.values()), roles
+            role = (metadata.get("annotations") or {}).get(ROLE)
+            if role is not None:
+                assert role in listed_placeholders(), f"{rendering}: {metadata['name']}"
+                subject = f"{metadata.get('namespace')}:{metadata['name']}"
+                accounts.setdefault(role.rpartition("/")[2], set()).add(subject)
     stack = Stack.of(ModelBucket="my-bucket")
-    trusted = {
-        "spotdrain-model-agent": {stack.parameters["AgentServiceAccount"]},
-        "spotdrain-model-inference": set(stack.parameters["InferenceServiceAccounts"]),
-    }
-    given = {}
-    for (namespace, name), (role,) in ((key, tuple(each)) for key, each in roles.items()):
-        given.setdefault(role.rpartition("/")[2], set()).add(f"{namespace}:{name}")
-    assert {role: given.get(role) for role in trusted} == trusted
+    assert accounts["spotdrain-model-agent"] == {stack.parameters["AgentServiceAccount"]}
+    assert accounts["spotdrain-model-inference"] == set(stack.parameters["InferenceServiceAccounts"])
 
 
 def test_every_model_the_manifests_fetch_is_under_the_prefix_the_policy_grants() -> None:
