@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,7 @@ class Layer:
 
 LAYERS = (
     Layer("deploy/components/karpenter"),
+    Layer("deploy/components/model-prefetch"),
     Layer("deploy/components/vllm"),
     Layer("deploy/components/keda", after=("deploy/components/vllm",)),
     Layer("deploy/components/podmonitors/agent"),
@@ -359,6 +360,7 @@ class PodTemplate:
     labels: Mapping[str, str]
     spec: Obj
     ray_params: Obj | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -381,8 +383,10 @@ class PodTemplate:
 
 
 def _template(owner: Obj, where: str, template: Obj, ray_params: Obj | None = None) -> PodTemplate:
-    labels = (template.get("metadata") or {}).get("labels") or {}
-    return PodTemplate(owner, where, labels, template["spec"], ray_params)
+    metadata = template.get("metadata") or {}
+    return PodTemplate(
+        owner, where, metadata.get("labels") or {}, template["spec"], ray_params, metadata.get("annotations") or {}
+    )
 
 
 def pod_templates(objects: Iterable[Obj]) -> list[PodTemplate]:
@@ -486,6 +490,8 @@ def parse(call: Invocation, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     except SystemExit:
         pytest.fail(f"{call.where}: spotdrain {' '.join(call.argv)}\n{capsys.readouterr().err}")
     module = importlib.import_module(COMMANDS[call.subcommand][1])
+    if getattr(args, "cache_command", None) == "fetch":  # `spotdrain cache fetch` has its own (agent/cache/run.py)
+        module = importlib.import_module("agent.cache.fetch.settings")
     return module.from_arguments(args) if hasattr(module, "from_arguments") else args
 
 

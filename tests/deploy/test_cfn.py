@@ -1,11 +1,14 @@
-"""The CloudFormation template for queue mode: cfn-lint clean, and wired to what the agent parses and calls."""
+"""The CloudFormation templates: cfn-lint clean, and wired to what the programs parse and call. Queue mode's queue,
+rules and policy; the model cache's read policy and its IRSA roles, evaluated the way CloudFormation would."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +16,11 @@ import pytest
 import yaml
 
 from agent.notices.messages import DETAIL_TYPES, STOPPING_STATES, TERMINATING_STATES
-from tests.deploy.manifests import DEPLOY, ROOT
+from tests.deploy.manifests import DEPLOY, ROOT, Obj
 
 TEMPLATE = DEPLOY / "aws" / "queue.yaml"
+MODEL_CACHE = DEPLOY / "aws" / "model-cache.yaml"
+TEMPLATES = sorted((DEPLOY / "aws").glob("*.yaml"))
 
 
 class _CloudFormationLoader(yaml.SafeLoader):
@@ -33,13 +38,13 @@ def _tag(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> Any:
 _CloudFormationLoader.add_multi_constructor("!", _tag)
 
 
-def _template() -> dict[str, Any]:
-    loaded: dict[str, Any] = yaml.load(TEMPLATE.read_text(), Loader=_CloudFormationLoader)
+def _template(path: Path = TEMPLATE) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.load(path.read_text(), Loader=_CloudFormationLoader)
     return loaded
 
 
-def _resources(kind: str) -> dict[str, Any]:
-    return {name: r for name, r in _template()["Resources"].items() if r["Type"] == kind}
+def _resources(kind: str, path: Path = TEMPLATE) -> dict[str, Any]:
+    return {name: r for name, r in _template(path)["Resources"].items() if r["Type"] == kind}
 
 
 def _cfn_lint() -> list[str]:
@@ -52,9 +57,14 @@ def _cfn_lint() -> list[str]:
     return [sys.executable, "-m", "cfnlint"]
 
 
-def test_cfn_lint_passes() -> None:
+def test_every_template_is_one_of_these() -> None:
+    assert sorted([TEMPLATE, MODEL_CACHE]) == TEMPLATES
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
+def test_cfn_lint_passes(template: Path) -> None:
     done = subprocess.run(
-        [*_cfn_lint(), str(TEMPLATE)], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
+        [*_cfn_lint(), str(template)], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -94,3 +104,147 @@ def test_the_agents_policy_allows_exactly_the_aws_calls_it_makes() -> None:
     (policy,) = _resources("AWS::IAM::ManagedPolicy").values()
     granted = {action for s in policy["Properties"]["PolicyDocument"]["Statement"] for action in s["Action"]}
     assert granted == wanted
+
+
+# The model cache ---------------------------------------------------------------------------------------------------
+
+PSEUDO = {"AWS::Partition": "aws", "AWS::Region": "us-east-1", "AWS::AccountId": "111122223333"}
+OIDC = "oidc.eks.us-east-1.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE"
+KMS_KEY = "arn:aws:kms:us-east-1:111122223333:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+_NO_VALUE = object()
+# What each S3 call of the fetch needs (https://docs.aws.amazon.com/AmazonS3/latest/API/API_HeadObject.html: "you
+# must have the s3:GetObject permission"; ListObjectsV2: s3:ListBucket; a presigned GET acts as its signer).
+S3_PERMISSIONS = {"list_objects_v2": "s3:ListBucket", "head_object": "s3:GetObject", "get_object": "s3:GetObject"}
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The model-cache template under given parameters: its conditions, and values resolved as CloudFormation does
+    (Ref, Sub, Join, If, Not, Equals; a resource's Ref is left as it is)."""
+
+    template: dict[str, Any]
+    parameters: dict[str, Any]
+
+    @classmethod
+    def of(cls, **given: str) -> Stack:
+        template = _template(MODEL_CACHE)
+        parameters: dict[str, Any] = {}
+        for name, spec in template["Parameters"].items():
+            value = given.get(name, spec.get("Default"))
+            assert value is not None, f"parameter {name} has no default: give it"
+            parameters[name] = value.split(",") if spec["Type"] == "CommaDelimitedList" else value
+        return cls(template, parameters)
+
+    def condition(self, name: str) -> bool:
+        return bool(self.value(self.template["Conditions"][name]))
+
+    def resources(self, kind: str) -> dict[str, Any]:
+        return {
+            name: self.value(r["Properties"])
+            for name, r in self.template["Resources"].items()
+            if r["Type"] == kind and ("Condition" not in r or self.condition(r["Condition"]))
+        }
+
+    def value(self, node: Any) -> Any:
+        if isinstance(node, list):
+            return [v for v in (self.value(item) for item in node) if v is not _NO_VALUE]
+        if not isinstance(node, dict):
+            return node
+        if len(node) == 1:
+            [(function, argument)] = node.items()
+            if function == "Ref":
+                if argument == "AWS::NoValue":
+                    return _NO_VALUE
+                return {**PSEUDO, **self.parameters}.get(argument, node)
+            if function == "Sub":
+                text, names = argument if isinstance(argument, list) else (argument, {})
+                known = {**PSEUDO, **self.parameters, **self.value(names)}
+                return re.sub(r"\$\{([\w:]+)\}", lambda m: str(known[m.group(1)]), text)
+            if function == "Join":
+                return argument[0].join(self.value(argument[1]))
+            if function == "If":
+                return self.value(argument[1] if self.condition(argument[0]) else argument[2])
+            if function == "Not":
+                return not self.value(argument[0])
+            if function == "Equals":
+                return self.value(argument[0]) == self.value(argument[1])
+        return {k: v for k, v in ((k, self.value(v)) for k, v in node.items()) if v is not _NO_VALUE}
+
+
+def _granted(stack: Stack) -> set[tuple[str, str, str]]:
+    """(action, resource, condition as JSON) for every statement of the read policy."""
+    [policy] = stack.resources("AWS::IAM::ManagedPolicy").values()
+    found = set()
+    for statement in policy["PolicyDocument"]["Statement"]:
+        assert statement["Effect"] == "Allow"
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        for action in actions:
+            found.add((action, statement["Resource"], json.dumps(statement.get("Condition"), sort_keys=True)))
+    return found
+
+
+def test_the_model_policy_reads_exactly_the_prefix_and_lists_nothing_else() -> None:
+    assert _granted(Stack.of(ModelBucket="my-bucket")) == {
+        ("s3:GetObject", "arn:aws:s3:::my-bucket/models/*", "null"),
+        ("s3:ListBucket", "arn:aws:s3:::my-bucket", json.dumps({"StringLike": {"s3:prefix": "models/*"}})),
+    }
+
+
+def test_a_kms_key_adds_decrypt_on_that_key_alone() -> None:
+    plain = _granted(Stack.of(ModelBucket="my-bucket", ModelPrefix="llm/"))
+    with_key = _granted(Stack.of(ModelBucket="my-bucket", ModelPrefix="llm/", ModelKmsKeyArn=KMS_KEY))
+    assert with_key - plain == {("kms:Decrypt", KMS_KEY, "null")}
+    assert ("s3:GetObject", "arn:aws:s3:::my-bucket/llm/*", "null") in plain
+
+
+def test_the_model_policy_allows_exactly_the_s3_calls_the_fetch_makes() -> None:
+    source = (ROOT / "agent" / "cache" / "fetch" / "listing.py").read_text()
+    calls = set(re.findall(r"self\.client\.(\w+)\(", source)) - {"generate_presigned_url", "get_paginator"}
+    calls |= set(re.findall(r"get_paginator\(\s*\"(\w+)\"", source))
+    calls |= set(re.findall(r"generate_presigned_url\(\s*\"(\w+)\"", source))
+    assert calls, "no S3 call found in the fetch's listing"
+    assert calls <= set(S3_PERMISSIONS), "a new S3 call: add what it needs to S3_PERMISSIONS and the policy"
+    granted = {action for action, _, _ in _granted(Stack.of(ModelBucket="my-bucket"))}
+    assert granted == {S3_PERMISSIONS[call] for call in calls}
+
+
+def _trust(role: Obj) -> Obj:
+    document: Obj = json.loads(role["AssumeRolePolicyDocument"])
+    statement: Obj
+    [statement] = document["Statement"]
+    return statement
+
+
+def test_each_role_trusts_only_its_service_accounts_through_the_clusters_oidc_provider() -> None:
+    stack = Stack.of(ModelBucket="my-bucket", OidcProvider=OIDC)
+    roles = stack.resources("AWS::IAM::Role")
+    assert set(roles) == {"AgentRole", "InferenceRole"}
+    subjects = {}
+    for name, role in roles.items():
+        assert role["ManagedPolicyArns"] == [{"Ref": "ModelReadPolicy"}]
+        statement = _trust(role)
+        assert statement["Effect"] == "Allow"
+        assert statement["Principal"] == {"Federated": f"arn:aws:iam::111122223333:oidc-provider/{OIDC}"}
+        assert statement["Action"] == "sts:AssumeRoleWithWebIdentity"
+        assert set(statement["Condition"]) == {"StringEquals"}
+        condition = statement["Condition"]["StringEquals"]
+        assert condition[f"{OIDC}:aud"] == "sts.amazonaws.com"
+        assert set(condition) == {f"{OIDC}:aud", f"{OIDC}:sub"}
+        subjects[name] = condition[f"{OIDC}:sub"]
+    assert subjects == {
+        "AgentRole": ["system:serviceaccount:spotdrain:spotdrain-node"],
+        "InferenceRole": ["system:serviceaccount:inference:vllm", "system:serviceaccount:ray:ray-llm-worker"],
+    }
+    outputs = stack.template["Outputs"]
+    assert {outputs[name]["Value"]["GetAtt"] for name in ("AgentRoleArn", "InferenceRoleArn")} == {
+        "AgentRole.Arn",
+        "InferenceRole.Arn",
+    }
+
+
+def test_without_an_oidc_provider_the_stack_makes_the_policy_alone() -> None:
+    stack = Stack.of(ModelBucket="my-bucket")
+    assert stack.resources("AWS::IAM::Role") == {}
+    assert list(stack.resources("AWS::IAM::ManagedPolicy")) == ["ModelReadPolicy"]
+    outputs = stack.template["Outputs"]
+    assert [name for name, output in outputs.items() if "Condition" not in output] == ["ModelReadPolicyArn"]

@@ -33,11 +33,12 @@ README = ROOT / "README.md"
 FULL = "deploy/examples/full"
 # Parts of another kustomization, not installed on their own: checked inside the one that includes them.
 PARTS = {"daemonset/queue": "daemonset/queue-mode"}
-# What a value a user must replace looks like: an AWS account id, a region, an ARN, an SQS queue URL, a name in
-# capitals (CLUSTER_NAME, YOUR_ACCOUNT_ID), a REPLACE_ME. Matched in every string value but objects' own names
-# and $(VAR) references (the environment variables' names are capitals too).
+# What a value a user must replace looks like: an AWS account id, a region, an ARN, an SQS queue URL, an S3 bucket
+# (s3://BUCKET/, whatever follows it), a name in capitals (CLUSTER_NAME, YOUR_ACCOUNT_ID), a REPLACE_ME. Matched in
+# every string value but objects' own names and $(VAR) references (the environment variables' names are capitals too).
 PLACEHOLDER_LIKE = re.compile(
     r"https://sqs\.[^\s\"',]+"
+    r"|\bs3://[^/\s\"',]+/?"
     r"|\barn:aws[a-z-]*:[^\s\"',]+"
     r"|(?<!\d)\d{12}(?!\d)"
     r"|\b[a-z]{2}(?:-gov)?-(?:north|south|east|west|central)(?:east|west)?-\d\b"
@@ -185,10 +186,13 @@ def test_a_placeholder_looking_value_is_found() -> None:
     objects: list[Obj] = [
         {"metadata": {"name": "SOME_ID"}, "data": {"a": "arn:aws:iam::123456789012:role/x", "b": "eu-west-3"}},
         {"spec": {"args": ["--node=$(NODE_NAME)", "REPLACE_ME", "--cluster=YOUR_CLUSTER", "MY_ACCOUNT_ID"]}},
+        {"metadata": {"annotations": {"models": "a=s3://bucket-a/x/ b=s3://bucket-b"}}},
     ]
     assert placeholders_in(objects) == {
         "arn:aws:iam::123456789012:role/x",
         "eu-west-3",
+        "s3://bucket-a/",
+        "s3://bucket-b",
         "REPLACE_ME",
         "YOUR_CLUSTER",
         "MY_ACCOUNT_ID",
