@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from awscrt import checksums as crt
+
 MANIFEST = ".spotdrain-manifest.json"  # agent.cache.fetch.parts.MANIFEST; simulate/ never imports the agent
 SHARDS = (  # (file, [(tensor, rows, columns)]) of F16 tensors
     (
@@ -31,6 +33,11 @@ SHARDS = (  # (file, [(tensor, rows, columns)]) of F16 tensors
 class Expected:
     size: int
     md5: str
+    crc64nvme: str = ""  # hex; the source's only: a copy is compared by MD5
+
+    def checksum(self, kind: str) -> str | None:
+        """This file's checksum of ``kind`` as the fetch's manifest writes it, if it is one the source has."""
+        return {"md5": self.md5, "crc64nvme": self.crc64nvme}.get(kind) or None
 
 
 def safetensors(tensors: list[tuple[str, int, int]], rng: random.Random) -> bytes:
@@ -61,12 +68,17 @@ def tiny_checkpoint(seed: int = 7) -> dict[str, bytes]:
 
 
 def expected(files: Mapping[str, bytes]) -> dict[str, Expected]:
-    return {path: Expected(len(data), hashlib.md5(data).hexdigest()) for path, data in files.items()}
+    """Each file's size, MD5 and CRC64NVME, as the fake S3 gives them (ETag, ``x-amz-checksum-crc64nvme``)."""
+    return {
+        path: Expected(len(data), hashlib.md5(data).hexdigest(), crt.crc64nvme(data).to_bytes(8, "big").hex())
+        for path, data in files.items()
+    }
 
 
 def copy_problems(source: Mapping[str, Expected], found: Mapping[str, Expected], manifest: Any) -> list[str]:
     """What is wrong with a copy of the model, by the source's sizes and MD5s, what is on disk, and the manifest the
-    fetch published with it ([] for a whole, identical copy)."""
+    fetch published with it: every file of the source, its size, and the checksum the fetch checked it against,
+    which must be one the source gives ([] for a whole, identical copy)."""
     problems = [f"{path}: missing" for path in sorted(source) if path not in found]
     problems += [f"{path}: not in the source" for path in sorted(found) if path not in source]
     for path in sorted(source.keys() & found.keys()):
@@ -82,6 +94,11 @@ def copy_problems(source: Mapping[str, Expected], found: Mapping[str, Expected],
         problems.append(f"{MANIFEST}: missing or without files")
     elif listed != {path: want.size for path, want in source.items()}:
         problems.append(f"{MANIFEST}: lists {sorted(listed)}, not the source's files with their sizes")
+    for entry in (e for e in entries if isinstance(e, dict) and e.get("path") in source):
+        checked = entry.get("checksum")
+        kind, value = (str(checked.get("kind")), checked.get("value")) if isinstance(checked, dict) else ("none", None)
+        if value is None or value != source[entry["path"]].checksum(kind):
+            problems.append(f"{MANIFEST}: {entry['path']} checked against {kind} {value}, not the source's")
     return problems
 
 

@@ -9,9 +9,12 @@ the S3 API reference writes them (https://docs.aws.amazon.com/AmazonS3/latest/AP
   as boto3 asks by default and decodes); ``delimiter`` is answered 501 NotImplemented rather than wrongly.
 - HeadBucket, ``HEAD /bucket``: 200 with ``x-amz-bucket-region``.
 - HeadObject and GetObject: ``Content-Length``, ``ETag`` (the quoted MD5 of the content: every object here is
-  single-part and unencrypted), ``Last-Modified``, ``Accept-Ranges``; one ``Range`` per GET (206 with
-  ``Content-Range``, 416 InvalidRange past the end); ``partNumber=1`` is the whole object with a 206 and
-  ``Content-Range``, any other part 416 InvalidPartNumber, as for an object uploaded in one part.
+  single-part and unencrypted), ``Last-Modified``, ``Accept-Ranges``, and when asked with ``x-amz-checksum-mode:
+  ENABLED`` the full-object ``x-amz-checksum-crc64nvme`` S3 gives every new object since December 2024
+  (https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html), but not to a ranged GET;
+  one ``Range`` per GET (206 with ``Content-Range``, 416 InvalidRange past the end); ``partNumber=1`` is the whole
+  object with a 206 and ``Content-Range``, any other part 416 InvalidPartNumber, as for an object uploaded in one
+  part.
 - Errors as XML (``<Error><Code>...``; https://docs.aws.amazon.com/AmazonS3/latest/API/ErrorResponses.html):
   NoSuchKey and NoSuchBucket (404, no body to a HEAD), AccessDenied (403).
 
@@ -43,6 +46,7 @@ from email.utils import format_datetime
 from xml.sax.saxutils import escape
 
 from aiohttp import web
+from awscrt import checksums as crt
 
 from simulate.fakes.mirror import Seen
 from simulate.fakes.ranges import Pace, Unsatisfiable, byte_range, content_range, write_chunks
@@ -63,11 +67,13 @@ PRESIGNED = (
 class S3Object:
     data: bytes
     etag: str  # quoted, as S3 writes it
+    crc64nvme: str  # base64 of the 8 bytes, as x-amz-checksum-crc64nvme carries it
     last_modified: datetime
 
     @classmethod
     def of(cls, data: bytes, *, now: datetime) -> S3Object:
-        return cls(data, f'"{hashlib.md5(data).hexdigest()}"', now.replace(microsecond=0))
+        crc = base64.b64encode(crt.crc64nvme(data).to_bytes(8, "big")).decode()
+        return cls(data, f'"{hashlib.md5(data).hexdigest()}"', crc, now.replace(microsecond=0))
 
 
 class Refused(Exception):
@@ -173,6 +179,11 @@ class FakeS3:
         }
         if status == 206:
             headers["Content-Range"] = content_range(first, last, size)
+        # Not to a ranged GET: its body is not what the checksum is of, and boto3 checks a GET's body against any
+        # checksum the answer carries (its response_checksum_validation, "when_supported" by default).
+        ranged = request.method == "GET" and status == 206 and part is None
+        if request.headers.get("x-amz-checksum-mode", "").upper() == "ENABLED" and not ranged:
+            headers |= {"x-amz-checksum-crc64nvme": found.crc64nvme, "x-amz-checksum-type": "FULL_OBJECT"}
         response = web.StreamResponse(status=status, headers=headers)
         await response.prepare(request)
         if request.method == "GET":

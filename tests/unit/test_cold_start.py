@@ -114,7 +114,12 @@ def test_a_copy_is_checked_file_by_file_and_against_its_manifest() -> None:
     files = tiny_checkpoint()
     assert files == tiny_checkpoint(), "the same bytes every run"
     source = expected(files)
-    manifest = {"files": [{"path": path, "size": want.size} for path, want in source.items()]}
+    manifest = {
+        "files": [
+            {"path": path, "size": want.size, "checksum": {"kind": "crc64nvme", "value": want.crc64nvme}}
+            for path, want in source.items()
+        ]
+    }
     assert copy_problems(source, dict(source), manifest) == []
     damaged = dict(source)
     damaged["config.json"] = Expected(source["config.json"].size, "0" * 32)
@@ -125,6 +130,10 @@ def test_a_copy_is_checked_file_by_file_and_against_its_manifest() -> None:
         "extra.bin: not in the source",
         f"config.json: MD5 {'0' * 32}, the source's is {source['config.json'].md5}",
     ]
+    unchecked = {"files": [{**entry, "checksum": None} for entry in manifest["files"]]}
+    assert copy_problems(source, dict(source), unchecked)[0] == (
+        ".spotdrain-manifest.json: config.json checked against none None, not the source's"
+    )
     short = {"files": manifest["files"][:1]}
     assert copy_problems(source, dict(source), short)[0].startswith(".spotdrain-manifest.json: lists")
     assert copy_problems(source, dict(source), None) == [".spotdrain-manifest.json: missing or without files"]
