@@ -205,18 +205,21 @@ def _sigterm_endings(s: Summary, *, endings: tuple[str, ...]) -> list[Check]:
     ]
 
 
+IN_ORDER = "notice, node, fetch, model, engine, pod, first token in order"
+
+
 def _steps_in_order(s: Summary, c: ColdStart) -> Check:
     steps = c.steps(s.notice_at)
     missing = [name for name, at in steps if at is None]
     if missing:
-        return _check("notice, node, fetch, model, engine, pod, first token in order", False, f"no {missing[0]}")
+        return _check(IN_ORDER, False, f"no {missing[0]}")
     times = [at for _, at in steps if at is not None]
     ordered = all(a <= b for a, b in itertools.pairwise(times))
     gaps = " -> ".join(
         name if index == 0 else f"{name} +{times[index] - times[index - 1]:.2f} s"
         for index, (name, _) in enumerate(steps)
     )
-    return _check("notice, node, fetch, model, engine, pod, first token in order", ordered, gaps)
+    return _check(IN_ORDER, ordered, gaps)
 
 
 def _model_whole(c: ColdStart) -> Check:
@@ -225,26 +228,21 @@ def _model_whole(c: ColdStart) -> Check:
         return _check(name, False, "the fetch never exited" if c.fetch_code is None else f"fetch exited {c.fetch_code}")
     if c.model_problems:
         return _check(name, False, "; ".join(c.model_problems[:3]))
-    return _check(name, True, f"{c.model_files} files: sizes and MD5s as the source's, the manifest lists them all")
+    return _check(name, True, f"{c.model_files} files: sizes and MD5s as the source's, and so is each in the manifest")
 
 
 def _engine_after_model(c: ColdStart) -> Check:
     name = "the engine started only once the fetch had returned 0"
     if c.fetch_code != 0 or c.model_ready_at is None:
-        return _check(
-            name,
-            c.engine_started_at is None,
-            "no complete model, and the engine "
-            + ("never started" if c.engine_started_at is None else "started all the same"),
-        )
+        started = c.engine_started_at is not None
+        return _check(name, not started, f"no complete model; the engine {'started' if started else 'never started'}")
     if c.engine_started_at is None:
         return _check(name, False, "the fetch returned 0 but the engine never read the model")
     after = c.engine_started_at - c.model_ready_at
-    whole = c.engine_files == c.model_files
-    detail = f"the engine read {c.engine_files} files {after:.2f} s after the fetch returned 0"
-    return _check(
-        name, after >= 0 and whole, detail if after >= 0 else f"the engine read the model {-after:.2f} s BEFORE"
-    )
+    if after < 0:
+        return _check(name, False, f"the engine read the model {-after:.2f} s BEFORE the fetch returned")
+    detail = f"the engine read {c.engine_files} of {c.model_files} files {after:.2f} s after the fetch returned 0"
+    return _check(name, c.engine_files == c.model_files, detail)
 
 
 def _first_token(s: Summary, c: ColdStart) -> Check:
@@ -264,13 +262,7 @@ def replacement_checks(s: Summary) -> list[Check]:
 
 
 def _cold_start(s: Summary) -> list[Check]:
-    evicted = sum(p.evicted_at is not None for p in s.pods)
-    return [
-        _none_cut(s),
-        _check("every pod evicted", evicted == len(s.pods), f"{evicted} of {len(s.pods)}"),
-        _check("node empty before the deadline", s.spare_s is not None and s.spare_s > 0, _spare(s)),
-        *replacement_checks(s),
-    ]
+    return [*_short_streams(s), *replacement_checks(s)]
 
 
 SCENARIOS: dict[str, Scenario] = {
