@@ -9,20 +9,21 @@ from __future__ import annotations
 import asyncio
 import math
 import signal
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from datetime import datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 
 from simulate.baselines import SEED_READINESS, SPOTDRAIN, Readiness, Way, adapted, shell
-from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.imds import FakeImds, Served, serving
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import engine_args, free_port, sidecar_args, wait_http
 from simulate.kubelet import Kubelet, Pod
 from simulate.nth import Target
 from simulate.observe import agent_note, engine_cut, gateway_note, note_taker, sidecar_note
 from simulate.probes import Probe, exec_probe, http_probe
-from simulate.procs import Proc, ProcessGroup
+from simulate.procs import Listener, Proc, ProcessGroup
 from simulate.queue import Queue
 from simulate.scenarios import Scenario
 from simulate.settings import SimulationSettings
@@ -101,7 +102,7 @@ class Cluster:
         """Start the fakes, the agent and every pod; returns once all of them answer."""
         await self._stack.enter_async_context(self.kube)
         self.kube.on_delete(self.kubelet.on_delete)
-        self.imds_url = await self._stack.enter_async_context(serving(self.imds))
+        self.imds_url = await self.serve(self.imds)
         if self.queue is not None:
             await self.queue.start()
         self._seed_api()
@@ -129,6 +130,10 @@ class Cluster:
             unhealthy_pod_eviction_policy=policy,
         )
 
+    async def serve(self, fake: Served) -> str:
+        """Serve ``fake`` on 127.0.0.1 until the cluster stops; returns its base URL."""
+        return await self._stack.enter_async_context(serving(fake))
+
     def port(self) -> int:
         """A free port no other part of this run has been given (the kernel can hand out a free port twice)."""
         while (port := free_port()) in self._ports:
@@ -140,20 +145,32 @@ class Cluster:
         if not self.way.spotdrain:
             await self._start_bare_pod(name)
             return
-        engine_port, sidecar_port = self.port(), self.port()
+        engine_port = self.port()
         drain_dir = self.workdir / name / "drain"
         engine, report = await self.start_engine(name, engine_port)
-        sidecar = await self.procs.start(
-            f"{name}-sidecar",
-            sidecar_args(port=sidecar_port, engine_port=engine_port, drain_dir=drain_dir, extra=self._sidecar_flags()),
-            listener=note_taker(self.recorder, name, lambda fields: sidecar_note(fields, pod=name)),
+        sidecar, ready_url = await self.start_sidecar(
+            name, engine_port, drain_dir=drain_dir, notice_url=self.notice_url
         )
-        ready = http_probe(f"http://127.0.0.1:{sidecar_port}/ready")
         prestop = ("/bin/sh", str(drain_dir / "prestop"))
-        pod = Pod(name, engine, sidecar, drain_dir, engine_port, readiness=ready, prestop=prestop)
+        pod = Pod(name, engine, sidecar, drain_dir, engine_port, readiness=http_probe(ready_url), prestop=prestop)
         pod.engine_report = report
         self.kubelet.adopt(pod)
-        await wait_http(f"http://127.0.0.1:{sidecar_port}/ready", status=200, timeout_s=STARTUP_S)
+        await wait_http(ready_url, status=200, timeout_s=STARTUP_S)
+
+    async def start_sidecar(
+        self, name: str, engine_port: int, *, drain_dir: Path, notice_url: str | None
+    ) -> tuple[Proc, str]:
+        """A pod's ``spotdrain sidecar``, asking ``notice_url`` (None: no node agent) for notices; returns it and its
+        ``/ready`` URL."""
+        port = self.port()
+        sidecar = await self.procs.start(
+            f"{name}-sidecar",
+            sidecar_args(
+                port=port, engine_port=engine_port, drain_dir=drain_dir, extra=self._sidecar_flags(notice_url)
+            ),
+            listener=note_taker(self.recorder, name, lambda fields: sidecar_note(fields, pod=name)),
+        )
+        return sidecar, f"http://127.0.0.1:{port}/ready"
 
     async def _start_bare_pod(self, name: str) -> None:
         """A pod of a way without spotdrain: the engine alone, with that way's probe and hook; ``tmp`` stands for
@@ -169,27 +186,33 @@ class Cluster:
         self.kubelet.adopt(pod)
         await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=STARTUP_S)
 
-    async def start_engine(self, name: str, port: int) -> tuple[Proc, dict[str, int]]:
-        """A pod's fake vLLM; returns it, once it listens, and where its own count of the streams it cut will be.
+    async def start_engine(
+        self, name: str, port: int, *, extra: Sequence[str] = (), listener: Listener | None = None
+    ) -> tuple[Proc, dict[str, int]]:
+        """A pod's fake vLLM (with ``extra`` flags, its log events also to ``listener``); returns it, once it
+        listens, and where its own count of the streams it cut will be.
 
         Raises RuntimeError if it exits first: another process took its port between our pick and its bind (the
-        machine may run other tests), and whatever answers there is not this pod's engine."""
+        machine may run other tests), or it could not read its model, and whatever answers there is not this pod's
+        engine."""
         report: dict[str, int] = {}
         listening = asyncio.Event()
 
-        def listener(fields: dict[str, object]) -> None:
+        def listen(fields: dict[str, object]) -> None:
             if fields.get("event") == "engine.listening":
                 listening.set()
             if (cut := engine_cut(fields)) is not None:
                 report["cut"] = cut
+            if listener is not None:
+                listener(fields)
 
         if self.settings.engine == "vllm":
             return await self._start_vllm(name, port), report
-        args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s))
+        args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s), *extra)
         ending = self.scenario.sigterm_ending(self.pod_names.index(name)) if name in self.pod_names else None
         if ending is not None:
             args += ["--sigterm-ending", ending]
-        engine = await self.procs.start(f"{name}-engine", args, listener=listener)
+        engine = await self.procs.start(f"{name}-engine", args, listener=listen)
         heard, exited = asyncio.ensure_future(listening.wait()), asyncio.ensure_future(engine.exited())
         try:
             await asyncio.wait([heard, exited], return_when=asyncio.FIRST_COMPLETED)
@@ -239,14 +262,15 @@ class Cluster:
         await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=STARTUP_S)
         return f"http://127.0.0.1:{port}"
 
-    def _sidecar_flags(self) -> list[str]:
+    def _sidecar_flags(self, notice_url: str | None) -> list[str]:
         t = self.timings
-        flags = {
+        flags: dict[str, object] = {
             "--drain-timeout": t.window_s,
             "--endpoint-delay": t.endpoint_delay_s,
             "--poll-interval": t.poll_s,
-            "--notice-url": self.notice_url,
         }
+        if notice_url is not None:
+            flags["--notice-url"] = notice_url
         return [text for flag, value in flags.items() for text in (flag, str(value))]
 
     def agent_args(self) -> list[str]:

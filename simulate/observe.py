@@ -74,6 +74,18 @@ def sidecar_note(fields: Fields, *, pod: str) -> Note | None:
     return None
 
 
+def fetch_note(fields: Fields, *, pod: str) -> Note | None:
+    """The timeline entry for one of ``spotdrain cache fetch``'s log events in a pod's init container."""
+    event = fields.get("event")
+    if event == "cache.fetch_started":
+        size = fields.get("total_bytes")
+        mib = f"{size / 2**20:.1f} MiB" if isinstance(size, int) else "?"
+        files, source = fields.get("files"), fields.get("source")
+        text = f"init container: spotdrain cache fetch copies {files} files ({mib}) from {source}"
+        return Note(Kind.FETCH_STARTED, text, pod=pod)
+    return None
+
+
 def engine_cut(fields: Fields) -> int | None:
     """The engine's own count of the streams it cut, from its last log line."""
     cut = fields.get("cut")

@@ -9,7 +9,7 @@ from typing import Any
 from simulate.run import RunResult
 from simulate.scenarios import Scenario
 from simulate.settings import SimulationSettings
-from simulate.summary import PodSummary, Summary
+from simulate.summary import ColdStart, PodSummary, Summary
 from simulate.timeline import STREAM_KINDS, Event, Kind
 from spotdrain.settings import plain
 
@@ -79,6 +79,14 @@ def _after_notice(s: Summary, at: float | None) -> str:
     return "-" if at is None or s.notice_at is None else f"{at - s.notice_at:.2f} s"
 
 
+def _cold_start(s: Summary, c: ColdStart) -> str:
+    fetch = "-" if c.model_ready_at is None or c.fetch_started_at is None else _s(c.model_ready_at - c.fetch_started_at)
+    return (
+        f"joined {_after_notice(s, c.joined_at)}, model ready {_after_notice(s, c.model_ready_at)} (fetch {fetch}), "
+        f"first token {_after_notice(s, c.first_token_at)} after the notice"
+    )
+
+
 def verdict(result: RunResult) -> str:
     s = result.summary
     engines = "-" if s.cut_by_engines is None else str(s.cut_by_engines)
@@ -110,6 +118,8 @@ def verdict(result: RunResult) -> str:
     ]
     if s.agent_restarts:
         rows.append(("node agent", f"restarted {s.agent_restarts}x; found the node marked: {s.already_marked}"))
+    if s.cold_start is not None:
+        rows.append(("replacement node", _cold_start(s, s.cold_start)))
     if s.message_deleted is not None:
         rows.append(("queue", "message deleted" if s.message_deleted else "message NOT deleted"))
     lines = [f"verdict: {'PASS' if result.passed else 'FAIL'} ({result.scenario.name})"]

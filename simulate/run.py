@@ -23,6 +23,7 @@ from simulate.load import Hops, Load
 from simulate.nth import nth_style
 from simulate.observe import node_watcher
 from simulate.probes import http_probe
+from simulate.replacement import Replacement
 from simulate.router import Backend, Router
 from simulate.scenarios import SCENARIOS, Check, Scenario, judge, stream_seconds
 from simulate.settings import SimulationSettings
@@ -138,8 +139,11 @@ async def _play(
     settings: SimulationSettings, scenario: Scenario, recorder: Recorder, seen: _Seen, cluster: Cluster
 ) -> tuple[datetime, Facts]:
     t = settings.timings
+    replacement = Replacement(cluster) if scenario.cold_start else None
     async with cluster, _Tasks() as tasks:
         await cluster.start()
+        if replacement is not None:
+            await replacement.start()
         router, router_url = await _route(cluster, recorder, tasks, poll_s=t.router_poll_s)
         tasks.start(node_watcher(lambda: cluster.kube.node(NODE), recorder, name=NODE), "node-watcher")
         if cluster.way.evicts:
@@ -156,12 +160,15 @@ async def _play(
             return deadline, Facts(node_patches=cluster.node_patches(), node_events=0, rerouted=router.rerouted)
         deadline = await cluster.deliver_notice()
         deadline_at = recorder.now() + (deadline - utcnow()).total_seconds()
+        replaced = tasks.start(replacement.run(), "replacement") if replacement is not None else None
         if scenario.restart_agent:
             tasks.start(_restart_agent(cluster, seen), "agent-restart")
         await _until_empty(cluster, recorder, deadline_at=deadline_at)
         if cluster.way.spotdrain or cluster.way.evicts:
             await _settle(seen.flag(Kind.NODE_DRAINED))
         deleted = await cluster.queue.wait_empty(timeout_s=2 * SETTLE_S) if cluster.queue is not None else None
+        if replaced is not None:  # a step that hangs leaves the rest missing from the timeline: the verdict says so
+            await asyncio.wait([replaced], timeout=max(STARTUP_S, deadline_at - recorder.now()))
         await _end_load(load, load_task, settings)
         if not recorder.first(Kind.DEADLINE):
             _deadline_ahead(recorder, deadline_at)

@@ -6,12 +6,13 @@ Every expectation is a pure function of the run's ``Summary``; a scenario passes
 from __future__ import annotations
 
 import enum
+import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from simulate.summary import PodSummary, Summary
+from simulate.summary import ColdStart, PodSummary, Summary
 
 
 class Profile(enum.Enum):
@@ -45,6 +46,7 @@ class Scenario:
     # How each pod's engine ends the streams still open at its SIGTERM, pod by pod in turn (the fake engine's
     # --sigterm-ending: vLLM's abort, error or hang); empty: the fake's default.
     sigterm_endings: tuple[str, ...] = ()
+    cold_start: bool = False  # a replacement node joins, hydrates its model from S3 and serves a first token
 
     def sigterm_ending(self, pod: int) -> str | None:
         return self.sigterm_endings[pod % len(self.sigterm_endings)] if self.sigterm_endings else None
@@ -203,6 +205,66 @@ def _sigterm_endings(s: Summary, *, endings: tuple[str, ...]) -> list[Check]:
     ]
 
 
+IN_ORDER = "notice, node, fetch, model, engine, pod, first token in order"
+
+
+def _steps_in_order(s: Summary, c: ColdStart) -> Check:
+    steps = c.steps(s.notice_at)
+    missing = [name for name, at in steps if at is None]
+    if missing:
+        return _check(IN_ORDER, False, f"no {missing[0]}")
+    times = [at for _, at in steps if at is not None]
+    ordered = all(a <= b for a, b in itertools.pairwise(times))
+    gaps = " -> ".join(
+        name if index == 0 else f"{name} +{times[index] - times[index - 1]:.2f} s"
+        for index, (name, _) in enumerate(steps)
+    )
+    return _check(IN_ORDER, ordered, gaps)
+
+
+def _model_whole(c: ColdStart) -> Check:
+    name = "the model on the replacement's cache is whole and identical to the source"
+    if c.fetch_code != 0:
+        return _check(name, False, "the fetch never exited" if c.fetch_code is None else f"fetch exited {c.fetch_code}")
+    if c.model_problems:
+        return _check(name, False, "; ".join(c.model_problems[:3]))
+    return _check(name, True, f"{c.model_files} files: sizes and MD5s as the source's, and so is each in the manifest")
+
+
+def _engine_after_model(c: ColdStart) -> Check:
+    name = "the engine started only once the fetch had returned 0"
+    if c.fetch_code != 0 or c.model_ready_at is None:
+        started = c.engine_started_at is not None
+        return _check(name, not started, f"no complete model; the engine {'started' if started else 'never started'}")
+    if c.engine_started_at is None:
+        return _check(name, False, "the fetch returned 0 but the engine never read the model")
+    after = c.engine_started_at - c.model_ready_at
+    if after < 0:
+        return _check(name, False, f"the engine read the model {-after:.2f} s BEFORE the fetch returned")
+    detail = f"the engine read {c.engine_files} of {c.model_files} files {after:.2f} s after the fetch returned 0"
+    return _check(name, c.engine_files == c.model_files, detail)
+
+
+def _first_token(s: Summary, c: ColdStart) -> Check:
+    drained = {p.name for p in s.pods}
+    served = c.first_token_at is not None and c.first_token_pod is not None and c.first_token_pod not in drained
+    detail = f"{c.first_token_pod} served it" if served else "no first token from the replacement"
+    if served and s.notice_at is not None and c.first_token_at is not None:
+        detail += f", {c.first_token_at - s.notice_at:.2f} s after the notice"
+    return _check("the replacement served a first token", served, detail)
+
+
+def replacement_checks(s: Summary) -> list[Check]:
+    c = s.cold_start
+    if c is None:
+        return [_check("a replacement node joined", False, "none did")]
+    return [_steps_in_order(s, c), _model_whole(c), _engine_after_model(c), _first_token(s, c)]
+
+
+def _cold_start(s: Summary) -> list[Check]:
+    return [*_short_streams(s), *replacement_checks(s)]
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -280,6 +342,17 @@ SCENARIOS: dict[str, Scenario] = {
             pods=len(ENDINGS),
             sigterm_endings=ENDINGS,
         ),
+        Scenario(
+            "cold-start",
+            "Spot interruption; a replacement node joins, hydrates its model from S3 with `spotdrain cache fetch` in "
+            "its engine pod's init container, and serves a first token",
+            "the node drains with no stream cut; on the replacement the model lands whole and identical to the "
+            "source before its engine starts, and the engine serves a first token",
+            Profile.SHORT,
+            1,
+            _cold_start,
+            cold_start=True,
+        ),
     )
 }
 
@@ -306,6 +379,8 @@ def judge(scenario: Scenario, summary: Summary, *, gateway: bool = False) -> tup
         if scenario.lose_node:
             detail = f"{summary.continued} continuations"
             checks.append(_check("the lost node's streams continued elsewhere", summary.continued > 0, detail))
+        if scenario.cold_start:
+            checks += replacement_checks(summary)
         return tuple(checks)
     if scenario.lose_node:  # the sidecars died with the node: they report nothing, and nothing drains
         return tuple(scenario.checks(summary))

@@ -26,6 +26,7 @@ SCENARIO_NAMES = (
     "node-lost",
     "sqs",
     "sigterm-endings",
+    "cold-start",
 )
 # The scenarios another way of handling the notice can play too: a notice, and nothing that is spotdrain's own.
 COMPARABLE = ("short-streams", "long-streams", "shipped-budget", "pdb-blocks")
@@ -125,6 +126,10 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
     require(
         args.engine == "fake" or args.scenario != "sigterm-endings",
         "--scenario sigterm-endings chooses each fake engine's ending; real vLLM picks its own",
+    )
+    require(
+        args.engine == "fake" or args.scenario != "cold-start",
+        "--scenario cold-start hydrates a made-up checkpoint that only the fake engine reads",
     )
     require(
         args.engine == "fake" or args.pods * (2 if args.gateway else 1) <= 4,

@@ -45,6 +45,36 @@ class PodSummary:
 
 
 @dataclass(frozen=True)
+class ColdStart:
+    """The replacement node's way to its first token, each step's time (None: it never came)."""
+
+    joined_at: float | None
+    cache_ready_at: float | None
+    fetch_started_at: float | None
+    model_ready_at: float | None  # the init container's fetch exited 0
+    fetch_code: int | None  # its exit status; None: it never exited
+    model_files: int | None  # files on the cache as the check found them
+    model_problems: tuple[str, ...]  # what the check of the copy against the source found wrong
+    engine_started_at: float | None  # the engine read the model
+    engine_files: int | None  # the files it found
+    pod_ready_at: float | None
+    first_token_at: float | None
+    first_token_pod: str | None
+
+    def steps(self, notice_at: float | None) -> list[tuple[str, float | None]]:
+        """(step, when) in the order they must come."""
+        return [
+            ("notice", notice_at),
+            ("replacement node joined", self.joined_at),
+            ("model fetch started", self.fetch_started_at),
+            ("model ready", self.model_ready_at),
+            ("engine started", self.engine_started_at),
+            ("engine pod ready", self.pod_ready_at),
+            ("first token served", self.first_token_at),
+        ]
+
+
+@dataclass(frozen=True)
 class Summary:
     notice_at: float | None
     deadline_at: float | None
@@ -73,6 +103,7 @@ class Summary:
     spare_s: float | None  # deadline minus all_gone_at
     pods: tuple[PodSummary, ...]
     continued: int = 0  # streams the gateway continued on another pod (with --gateway)
+    cold_start: ColdStart | None = None  # the replacement node, in the cold-start scenario
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +157,30 @@ def pod_summary(
     )
 
 
+def cold_start(events: Sequence[Event]) -> ColdStart | None:
+    """The replacement node's steps; None when no node joined."""
+    joined = _first(events, Kind.NODE_JOINED)
+    if joined is None:
+        return None
+    ready, failed = _first(events, Kind.MODEL_READY), _first(events, Kind.FETCH_FAILED)
+    engine, token = _first(events, Kind.ENGINE_STARTED), _first(events, Kind.FIRST_TOKEN)
+    problems = [] if ready is None else ready.data.get("problems", [])
+    return ColdStart(
+        joined_at=joined.at,
+        cache_ready_at=_at(_first(events, Kind.CACHE_READY)),
+        fetch_started_at=_at(_first(events, Kind.FETCH_STARTED)),
+        model_ready_at=_at(ready),
+        fetch_code=_count(ready or failed, "code"),
+        model_files=_count(ready, "files"),
+        model_problems=tuple(str(p) for p in problems),
+        engine_started_at=_at(engine),
+        engine_files=_count(engine, "files"),
+        pod_ready_at=_at(_first(events, Kind.POD_READY)),
+        first_token_at=_at(token),
+        first_token_pod=None if token is None else token.pod,
+    )
+
+
 def _largest(values: Sequence[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return max(known) if known else None
@@ -173,4 +228,5 @@ def summarize(
         spare_s=_since(deadline_at, all_gone_at),
         pods=per_pod,
         continued=count(Kind.CONTINUED),
+        cold_start=cold_start(events),
     )

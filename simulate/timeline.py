@@ -37,6 +37,15 @@ class Kind(enum.StrEnum):
     RECLAIMED = "reclaimed"  # a pod still on the instance when it was reclaimed
     DEADLINE = "deadline"
     CONTINUED = "continued"  # the gateway continued a broken stream on another pod
+    # cold-start: the node that replaces the interrupted one, from its joining to its first token
+    NODE_JOINED = "node_joined"
+    CACHE_READY = "cache_ready"  # its cache mounted: labelled spotdrain.io/model-cache=ready, startup taint removed
+    FETCH_STARTED = "fetch_started"  # the init container's fetch listed the model and began copying it
+    MODEL_READY = "model_ready"  # the fetch exited 0; data: code, files, bytes, problems (the copy against the source)
+    FETCH_FAILED = "fetch_failed"  # the fetch exited non-zero; data: code
+    ENGINE_STARTED = "engine_started"  # the engine read the model; data: files (as many as it found)
+    POD_READY = "pod_ready"  # its sidecar's /ready answered 200
+    FIRST_TOKEN = "first_token"  # a client's first token from the new pod
     STREAM_COMPLETED = "stream_completed"
     STREAM_CUT = "stream_cut"
     REFUSED = "refused"

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, aclosing
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -343,11 +344,25 @@ async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyn
     return engine
 
 
+def _load_model(directory: Path) -> None:
+    """Read the checkpoint as an engine loads one before it listens; exits 1 when it is not there whole."""
+    from simulate.model import load
+
+    try:
+        files, size = load(directory)
+    except ValueError as error:
+        log.error("engine.model_unreadable", path=str(directory), error=str(error))
+        raise SystemExit(1) from None
+    log.info("engine.model_loaded", path=str(directory), files=files, bytes=size)
+
+
 def main(argv: list[str] | None = None) -> None:
     from spotdrain.logs import configure_logging
 
     args, config = parse_flags(argv, description=__doc__)
     configure_logging()
+    if args.model_dir is not None:
+        _load_model(Path(args.model_dir))
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -68,6 +68,7 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
         "--no-partial-utf8", action="store_true", help="generate whole characters only (text round-trips as ids)"
     )
     parser.add_argument("--merge-steps", type=int, default=1, help="up to this many tokens per chunk, as under load")
+    parser.add_argument("--model-dir", help="read the checkpoint here before listening (config.json, shard headers)")
     args = parser.parse_args(argv)
     config = EngineConfig(
         model=args.model,

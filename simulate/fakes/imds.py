@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
@@ -253,8 +253,14 @@ class FakeImds:
         return app
 
 
+class Served(Protocol):
+    """A fake with an aiohttp application of its own."""
+
+    def app(self) -> web.Application: ...
+
+
 @asynccontextmanager
-async def serving(fake: FakeImds, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+async def serving(fake: Served, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
     """Serve ``fake`` while the block runs; yields its base URL (``port=0`` picks a free port)."""
     runner = web.AppRunner(fake.app(), access_log=None, handle_signals=False, shutdown_timeout=0.1)
     await runner.setup()

@@ -147,6 +147,16 @@ class Cluster:
             NODES, {**node, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), **annotations}}}
         )
 
+    def relabel_node(self, name: str, *, labels: Mapping[str, str], without_taint: str | None = None) -> Obj:
+        """Add labels to the node and remove one taint by key, as ``spotdrain cache`` does once a node's cache is
+        mounted (``plan_node_update`` in agent/cache/plan.py)."""
+        node = self.node(name)
+        meta, spec = node["metadata"], node.get("spec", {})
+        taints = [t for t in spec.get("taints") or [] if t.get("key") != without_taint]
+        spec = {k: v for k, v in spec.items() if k != "taints"} | ({"taints": taints} if taints else {})
+        labelled = {**meta, "labels": {**meta.get("labels", {}), **labels}}
+        return self.store.update(NODES, {**node, "metadata": labelled, "spec": spec})
+
     def node(self, name: str) -> Obj:
         """The node; KeyError if there is none."""
         if (found := self.store.find(NODES, None, name)) is None:

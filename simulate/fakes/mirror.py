@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import re
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+
+from simulate.fakes.ranges import Unsatisfiable, byte_range, content_range, write_chunks
 
 SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 HOP_BY_HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length"}
 
 
@@ -128,12 +128,14 @@ class FaultyServer:
         if path.endswith(LFS_SUFFIXES):
             headers["ETag"] = headers["X-Linked-Etag"] = f'"{sha256}"'
         status, body = 200, data
-        match = _RANGE.fullmatch(request.headers.get("Range", ""))
-        if match is not None and self.range_status is not None:
-            start = int(match[1])
-            end = min(int(match[2]) if match[2] else len(data) - 1, len(data) - 1)
-            status, body = self.range_status, data[start : end + 1]
-            headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        try:
+            wanted = byte_range(request.headers.get("Range"), len(data)) if self.range_status is not None else None
+        except Unsatisfiable:
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(data)}"})
+        if wanted is not None and self.range_status is not None:
+            first, last = wanted
+            status, body = self.range_status, data[first : last + 1]
+            headers["Content-Range"] = content_range(first, last, len(data))
         response = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(body))})
         await response.prepare(request)
         if request.method == "GET":
@@ -165,11 +167,10 @@ class FaultyServer:
             assert request.transport is not None
             request.transport.close()
             return
-        for offset in range(0, len(body), 65536):
-            await response.write(body[offset : offset + 65536])
-            if self.chunk_delay_s:
-                await asyncio.sleep(self.chunk_delay_s)
-        await response.write_eof()
+        await write_chunks(response, body, after_chunk=self._pause if self.chunk_delay_s else None)
+
+    async def _pause(self, _: int) -> None:
+        await asyncio.sleep(self.chunk_delay_s)
 
 
 def _git_sha1(data: bytes) -> str:

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from simulate.model import copy_problems, expected, read_copy, tiny_checkpoint
 from simulate.page import render_html
 from simulate.report import render
 from simulate.run import RunResult, simulate
 from simulate.settings import SimulationSettings, Timings
+from simulate.timeline import Kind
 
 pytestmark = pytest.mark.e2e
 
@@ -140,6 +142,25 @@ async def test_a_notice_through_sqs_drains_the_node_and_the_message_is_deleted(t
     assert s.message_deleted is True
     assert s.cordoned_at is not None
     assert s.cut == 0
+
+
+async def test_a_replacement_node_hydrates_its_model_from_s3_before_its_engine_serves_a_first_token(
+    tmp_path: Path,
+) -> None:
+    result = await play("cold-start", tmp_path)
+    assert result.passed, [c for c in result.checks if not c.passed]
+    c = result.summary.cold_start
+    assert c is not None
+    assert (c.fetch_code, c.model_files, c.engine_files, c.first_token_pod) == (0, 4, 4, "vllm-new")
+    assert c.model_ready_at is not None
+    assert c.fetch_started_at is not None
+    assert c.model_ready_at - c.fetch_started_at > 1.0, "the bucket's rate makes the hydration take visible time"
+    found, manifest = read_copy(tmp_path / "gpu-2" / "model-cache" / "models" / "llama-tiny")
+    assert copy_problems(expected(tiny_checkpoint()), found, manifest) == []
+    assert result.summary.cut == 0
+    order = [Kind.NOTICE, Kind.NODE_JOINED, Kind.FETCH_STARTED, Kind.MODEL_READY, Kind.ENGINE_STARTED, Kind.FIRST_TOKEN]
+    assert [e.kind for e in result.events if e.kind in order] == order
+    assert '"event": "cache.fetched"' in (tmp_path / "vllm-new-init.log").read_text()
 
 
 def test_the_command_prints_the_result_as_json_and_draws_the_page(tmp_path: Path) -> None:
