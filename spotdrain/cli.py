@@ -41,6 +41,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "webhook.settings",
         "webhook.server",
     ),
+    "check": (
+        "what is wrong with a spotdrain install, read from the cluster (read-only)",
+        "check.settings",
+        "check.main",
+    ),
     "simulate": (
         "a whole interruption on embedded fakes, printed as a timeline with a verdict",
         "simulate.cli",

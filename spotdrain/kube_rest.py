@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -20,6 +20,17 @@ from spotdrain.retry import ApiError, api_message, retry_after
 from spotdrain.settings import SettingsError
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+
+
+class Access(Protocol):
+    """Where an API server is and how to authenticate to it: a pod's service account, or a kubeconfig's user."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    def ssl_context(self) -> ssl.SSLContext: ...
+
+    def headers(self) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +64,7 @@ class InCluster:
 
 async def patch(
     session: aiohttp.ClientSession,
-    cluster: InCluster,
+    cluster: Access,
     path: str,
     body: Mapping[str, Any] | list[Any],
     *,
@@ -66,7 +77,7 @@ async def patch(
 
 async def call(
     session: aiohttp.ClientSession,
-    cluster: InCluster,
+    cluster: Access,
     method: str,
     path: str,
     body: Mapping[str, Any] | list[Any] | None = None,

@@ -103,11 +103,51 @@ MUTATING_WEBHOOKS = Resource(
     has_status=False,
     fields=frozenset({"metadata.name"}),
 )
+# What `spotdrain check` reads besides: the workloads that run spotdrain (and Karpenter), the Services in front of
+# them, and the namespaces' labels (k8s.io/api apps/v1 and core/v1). A namespace's status holds its phase only.
+NAMESPACES = Resource(
+    group_version="v1",
+    plural="namespaces",
+    kind="Namespace",
+    namespaced=False,
+    has_status=True,
+    fields=frozenset({"metadata.name", "status.phase"}),
+)
+SERVICES = Resource(
+    group_version="v1", plural="services", kind="Service", namespaced=True, has_status=True, fields=_META
+)
+DAEMONSETS = Resource(
+    group_version="apps/v1", plural="daemonsets", kind="DaemonSet", namespaced=True, has_status=True, fields=_META
+)
+DEPLOYMENTS = Resource(
+    group_version="apps/v1", plural="deployments", kind="Deployment", namespaced=True, has_status=True, fields=_META
+)
 RESOURCES = {
     (r.group_version, r.plural): r
-    for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES, SECRETS, MUTATING_WEBHOOKS)
+    for r in (
+        NODES,
+        PODS,
+        EVENTS,
+        EVENTS_V1,
+        PDBS,
+        ENDPOINT_SLICES,
+        SECRETS,
+        MUTATING_WEBHOOKS,
+        NAMESPACES,
+        SERVICES,
+        DAEMONSETS,
+        DEPLOYMENTS,
+    )
 }
-SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
+SUBRESOURCES = {
+    "pods": {"status", "eviction"},
+    "nodes": {"status"},
+    "poddisruptionbudgets": {"status"},
+    "namespaces": {"status"},
+    "services": {"status"},
+    "daemonsets": {"status"},
+    "deployments": {"status"},
+}
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ def test_every_series_starts_with_spotdrain_and_is_documented() -> None:
         assert f"`{name}" in README, f"{name} is not documented in README.md"
 
 
-@pytest.mark.parametrize("command", ["sidecar", "node", "cache", "inject", "webhook", "simulate", "gateway"])
+@pytest.mark.parametrize("command", ["sidecar", "node", "cache", "inject", "webhook", "simulate", "gateway", "check"])
 def test_every_flag_is_documented(command: str) -> None:
     # A switch's negation (--no-evict for --evict) is documented once for all switches.
     flags = [flag for flag in option_strings(command) if flag.startswith("--")]

@@ -27,6 +27,8 @@ AGENT = (
     "agent.cache.settings",
     "agent.cache.main",
     "agent.cache.run",
+    "check.settings",
+    "check.main",
 )
 WEBHOOK = ("spotdrain.cli", "webhook.settings", "webhook.server")
 

@@ -57,10 +57,10 @@ def test_the_gateway_image_has_its_command_and_nothing_of_the_node_agent_or_its_
     assert loaded == ["gateway"]
 
 
-def test_the_agent_image_has_the_node_and_cache_commands_and_no_sidecar() -> None:
-    assert copied_packages("Dockerfile.agent") == {"spotdrain", "agent"}
+def test_the_agent_image_has_the_node_cache_and_check_commands_and_no_sidecar() -> None:
+    assert copied_packages("Dockerfile.agent") == {"spotdrain", "agent", "check"}
     commands = _in_image("Dockerfile.agent", "import spotdrain.cli, agent.main, agent.cache.run\n" + COMMANDS)
-    assert commands == ["node", "cache"]
+    assert commands == ["node", "cache", "check"]
 
 
 def test_the_webhook_image_has_its_command_and_no_yaml_node_agent_or_sidecar() -> None:

@@ -1,0 +1,1 @@
+"""`spotdrain check`: what is wrong with an install, read from the cluster."""
