@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import aiohttp
 import structlog
@@ -115,6 +116,22 @@ def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: Colle
     ).notices()
 
 
+async def _installation_checker(settings: NodeSettings, registry: CollectorRegistry) -> Coroutine[Any, Any, None]:
+    """The checks of ``spotdrain check`` on a timer, through the same API access as the agent's own calls."""
+    from check.access import load
+    from check.export import CheckMetrics, installation_checker
+    from check.main import inspect
+    from check.reading import Scope
+
+    access = await load(settings.kube.kubeconfig)
+    metrics = CheckMetrics.create(registry)
+    return installation_checker(
+        lambda: inspect(access, Scope(), timeout_s=settings.kube.timeout_s),
+        metrics,
+        interval_s=settings.check_interval_s,
+    )
+
+
 async def run(
     settings: NodeSettings, *, ready_flag: asyncio.Event | None = None, stop: asyncio.Event | None = None
 ) -> int:
@@ -184,6 +201,8 @@ async def run(
         # pretends to.
         if not queue_mode and settings.cache.enabled:
             roles.append(("model_cache", model_cache(settings, actions, CacheMetrics.create(registry))))
+        if settings.check_interval_s > 0:
+            roles.append(("installation_checker", await _installation_checker(settings, registry)))
         try:
             ok = await Supervisor(stop).run(roles, one_shot={"startup_check", "model_cache"})
         finally:

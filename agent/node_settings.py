@@ -65,6 +65,7 @@ class NodeSettings:
     host: str
     metrics_port: int
     notice_port: int
+    check_interval_s: float  # 0: the installation checks are not run
 
     @property
     def queue_mode(self) -> bool:
@@ -153,6 +154,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--host", default="0.0.0.0", help="address for the metrics and notice endpoints")
     add_flag(parser, "--metrics-port", convert=port, default=8089, help="port for /metrics, /livez and /readyz")
     add_flag(parser, "--notice-port", convert=port, default=8090, help="port for GET /v1/notice")
+    add_flag(
+        parser,
+        "--check-interval",
+        convert=seconds,
+        default=0.0,
+        help="seconds between runs of spotdrain check's checks, exported as spotdrain_check_findings (0: never)",
+    )
     add_cache_arguments(parser)
 
 
@@ -172,6 +180,7 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
     require(args.progress_timeout > 0, "--progress-timeout must be above 0 seconds")
     # The pause before evicting makes no call: liveness must outlast it.
     require(args.progress_timeout > args.eviction_delay, "--progress-timeout must be longer than --eviction-delay")
+    require(args.check_interval >= 0, "--check-interval must be 0 (never) or a number of seconds")
     return NodeSettings(
         node_name=args.node_name,
         pod_name=args.pod_name,
@@ -198,4 +207,5 @@ def from_arguments(args: argparse.Namespace) -> NodeSettings:
         host=args.host,
         metrics_port=args.metrics_port,
         notice_port=args.notice_port,
+        check_interval_s=args.check_interval,
     )

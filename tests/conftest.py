@@ -59,7 +59,7 @@ async def scrape(url: str, name: str) -> float | None:
 
 
 # The packages whose programs serve /metrics; one not in this checkout (yet) is passed over.
-PROGRAMS = ("agent", "sidecar", "gateway", "webhook")
+PROGRAMS = ("agent", "sidecar", "gateway", "webhook", "check")
 
 
 def _takes_a_registry(function: object) -> bool:

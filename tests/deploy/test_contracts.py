@@ -47,12 +47,24 @@ CORE_CALLS = {
 MARK = {("", "nodes", "get", None), ("", "nodes", "patch", None), ("", "events", "create", "default")}
 DRAIN = {("", "pods", "list", None), ("", "pods/eviction", "create", None)}
 LOOKUP = {("", "nodes", "list", None)}
+# spotdrain check's reads (deploy/check), which the queue Deployment runs every --check-interval.
+CHECK = {
+    (group, resource, "list", None)
+    for group, resources in {
+        "": ("nodes", "namespaces", "pods", "services"),
+        "apps": ("daemonsets", "deployments"),
+        "policy": ("poddisruptionbudgets",),
+        "discovery.k8s.io": ("endpointslices",),
+        "admissionregistration.k8s.io": ("mutatingwebhookconfigurations",),
+    }.items()
+    for resource in resources
+}
 AGENT_RBAC = {
     ("daemonset/base", "spotdrain-node"): MARK | DRAIN,  # IMDS mode
     ("daemonset/imds-mode", "spotdrain-node"): MARK | DRAIN,
     ("daemonset/karpenter-interruption", "spotdrain-node"): MARK,  # --no-evict: Karpenter evicts
     ("daemonset/queue-mode", "spotdrain-node"): MARK,  # --no-evict: the queue Deployment evicts
-    ("daemonset/queue-mode", "spotdrain-queue"): MARK | DRAIN | LOOKUP,
+    ("daemonset/queue-mode", "spotdrain-queue"): MARK | DRAIN | LOOKUP | CHECK,
 }
 METRIC = re.compile(r"\bspotdrain_[a-z0-9_]*[a-z0-9]\b")  # not a wildcard such as spotdrain_sidecar_*
 MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
@@ -74,7 +86,8 @@ def test_every_kubernetes_call_of_the_agent_is_known_and_granted() -> None:
     calls = _core_calls_in(sorted((ROOT / "agent").rglob("*.py")))
     unknown = {method: files for method, files in calls.items() if method not in CORE_CALLS}
     assert unknown == {}, "a new Kubernetes call: add it to CORE_CALLS, AGENT_RBAC and the agents' RBAC"
-    assert {CORE_CALLS[method] for method in calls} == {(r, v) for each in AGENT_RBAC.values() for _, r, v, _ in each}
+    # The installation checks (CHECK) list through spotdrain.kube_rest, not CoreV1Api: tests/integration/test_check.py.
+    assert {CORE_CALLS[method] for method in calls} == {(r, v) for _, r, v, _ in MARK | DRAIN | LOOKUP}
 
 
 def test_events_are_created_in_the_namespace_the_role_grants() -> None:

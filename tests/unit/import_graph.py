@@ -23,7 +23,7 @@ PROGRAMS = tuple(name for name in PACKAGES if name not in ("bench", "tests"))
 ALLOWED: dict[str, tuple[str, ...] | None] = {
     "spotdrain": ("spotdrain",),
     "sidecar": ("spotdrain", "sidecar"),
-    "agent": ("spotdrain", "agent"),
+    "agent": ("spotdrain", "agent", "check"),  # the agent runs spotdrain check's checks on a timer
     "agent.notices": ("spotdrain", "agent.notices"),
     "agent.drain": ("spotdrain", "agent.notices", "agent.drain"),
     "agent.cache": ("spotdrain", "agent.cache", "agent.drain.nodes"),  # the cache marks its node as the drain does
