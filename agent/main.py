@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
@@ -22,6 +22,7 @@ from agent.drain.nodes import DryRunActions, KubeActions, NodeActions, NodeIndex
 from agent.drain.progress import Progress, Watched
 from agent.node_settings import NodeSettings, from_arguments
 from agent.notices.notice import Notice
+from agent.status import AgentStatus
 from spotdrain.clock import utcnow
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import probe_app, serve
@@ -89,7 +90,13 @@ async def model_cache(settings: NodeSettings, actions: NodeActions, metrics: Cac
     await usage_reporter(metrics, settings.cache.path)
 
 
-def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: CollectorRegistry) -> AsyncIterator[Notice]:
+class NoticeSource(Protocol):
+    def notices(self) -> AsyncIterator[Notice]: ...
+
+    def status(self) -> dict[str, str | None]: ...
+
+
+def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: CollectorRegistry) -> NoticeSource:
     if settings.queue_mode:
         from agent.notices.sqs import SqsMetrics, SqsSource
 
@@ -104,7 +111,7 @@ def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: Colle
             max_in_flight=settings.sqs.max_in_flight,
             metrics=SqsMetrics.create(registry),
             visibility_timeout_s=max(30.0, settings.drain.heartbeat_s * 3),
-        ).notices()
+        )
     from agent.notices.imds import ImdsMetrics, ImdsSource
 
     return ImdsSource(
@@ -113,7 +120,7 @@ def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: Colle
         interval_s=settings.imds.interval_s,
         allow_v1=settings.imds.allow_v1,
         metrics=ImdsMetrics(registry),
-    ).notices()
+    )
 
 
 async def _installation_checker(settings: NodeSettings, registry: CollectorRegistry) -> Coroutine[Any, Any, None]:
@@ -178,15 +185,12 @@ async def run(
             index=NodeIndex(actions) if queue_mode else None,
             progress=progress,
         )
+        source = _source(settings, http, registry)
+        probes = probe_app(registry, ready=readiness, live=progress.live)
+        status = AgentStatus(settings, board=board, api_ready=ready, source=source)
+        probes.router.add_get("/v1/status", status.answer)
         roles: list[Role] = [
-            (
-                "probe_server",
-                serve(
-                    probe_app(registry, ready=readiness, live=progress.live),
-                    host=settings.host,
-                    port=settings.metrics_port,
-                ),
-            ),
+            ("probe_server", serve(probes, host=settings.host, port=settings.metrics_port)),
             (
                 "notice_server",
                 serve(
@@ -194,7 +198,7 @@ async def run(
                 ),
             ),
             ("startup_check", startup_check(actions, settings, ready)),
-            ("dispatcher", dispatcher(_source(settings, http, registry), handler)),
+            ("dispatcher", dispatcher(source.notices(), handler)),
         ]
         # Only an agent that prepares the cache itself knows it: with --no-model-cache (the DaemonSet, whose init
         # container prepares it) the node's label and startup taint say whether it is ready, and no gauge here

@@ -30,6 +30,10 @@ async def inspect(access: Access, scope: Scope, *, timeout_s: float) -> Report:
 
 async def run(settings: CheckSettings) -> int:
     access = await load(settings.kubeconfig, context=settings.context)
+    if settings.node is not None:
+        from check.node import show_node
+
+        return await show_node(access, settings)
     report = await inspect(access, Scope(settings.namespace, settings.selector), timeout_s=settings.timeout_s)
     sys.stdout.write(as_json(report) + "\n" if settings.output == "json" else as_text(report))
     if report.unreachable is not None and settings.output == "json":

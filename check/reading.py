@@ -158,7 +158,7 @@ async def read_cluster(reader: Reader, scope: Scope, *, now: datetime) -> Snapsh
 
 
 async def _read_all(reader: Reader, reads: list[Read], snapshot: Snapshot) -> Snapshot:
-    results = await asyncio.gather(*(_attempt(reader.items, read) for read in reads))
+    results = await asyncio.gather(*(attempt(reader.items, read) for read in reads))
     changes: dict[str, Any] = {}
     unread = list(snapshot.unread)
     for read, result in zip(reads, results, strict=True):
@@ -169,7 +169,7 @@ async def _read_all(reader: Reader, reads: list[Read], snapshot: Snapshot) -> Sn
     return replace(snapshot, **changes, unread=tuple(unread))
 
 
-async def _attempt(items: Callable[[Read], Awaitable[list[Obj]]], read: Read) -> list[Obj] | Unread:
+async def attempt(items: Callable[[Read], Awaitable[list[Obj]]], read: Read) -> list[Obj] | Unread:
     try:
         return await items(read)
     except ApiError as error:

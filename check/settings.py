@@ -15,6 +15,8 @@ class CheckSettings:
     namespace: str | None
     selector: str
     output: str
+    node: str | None
+    agent_namespace: str
     timeout_s: float
 
 
@@ -31,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "--selector", default="", help="check only the pods with these labels (a=b,c!=d)", default_help="all"
     )
     add_flag(parser, "--output", default="text", choices=("text", "json"), help="text for people, json for CI")
+    add_flag(parser, "--node", help="ask the node agent on this node what it sees, through the API server's pod proxy")
+    add_flag(parser, "--agent-namespace", default="spotdrain", help="the node agent's namespace (for --node)")
     add_flag(parser, "--timeout", convert=seconds, default=10.0, help="seconds each API call may take")
 
 
@@ -41,5 +45,7 @@ def from_arguments(args: argparse.Namespace) -> CheckSettings:
         namespace=args.namespace,
         selector=args.selector,
         output=args.output,
+        node=args.node,
+        agent_namespace=args.agent_namespace,
         timeout_s=args.timeout,
     )

@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from datetime import datetime
 
 from aiohttp import web
 
 from agent.notices.notice import Notice
+from spotdrain.clock import utcnow
 
 MAX_WAIT_S = 60.0  # longer holds gain nothing, and an idle connection held longer meets more middleboxes' timeouts
+MAX_CALLERS = 4096  # addresses remembered for ``callers``; the oldest is forgotten first
 
 
 def wait_seconds(raw: str | None) -> float:
@@ -46,6 +49,7 @@ class NoticeBoard:
         self._changed: dict[str, asyncio.Event] = {}  # one per node with requests waiting, set and replaced on change
         self._waiting: dict[str, int] = {}
         self._stopping = False
+        self._callers: dict[tuple[str, str], datetime] = {}  # (node, address) -> last asked, oldest first
 
     def publish(self, node: str, notice: Notice) -> None:
         """Show a definitive notice for ``node``; an earlier deadline wins over a later one, and of two with the
@@ -66,6 +70,17 @@ class NoticeBoard:
     def waiting(self, node: str) -> int:
         """Requests held for ``node`` right now."""
         return self._waiting.get(node, 0)
+
+    def callers(self, node: str) -> dict[str, datetime]:
+        """The addresses that asked for ``node``'s notice, and when each last did: the sidecars that answer."""
+        return {address: at for (asked_for, address), at in self._callers.items() if asked_for == node}
+
+    def _seen(self, node: str, address: str) -> None:
+        key = (node, address)
+        self._callers.pop(key, None)
+        self._callers[key] = utcnow()
+        if len(self._callers) > MAX_CALLERS:
+            del self._callers[next(iter(self._callers))]
 
     def _wake(self, node: str) -> None:
         event = self._changed.pop(node, None)
@@ -102,6 +117,7 @@ class NoticeBoard:
         except ValueError:
             return web.Response(status=400, text="wait is seconds to hold the request: /v1/notice?wait=30\n")
         after = request.query.get("after") or None
+        self._seen(node, request.remote or "")
         if wait_s > 0 and not self._stopping and self._current_id(node) == after:
             await self._hold(node, wait_s)
         body = self._bodies.get(node)

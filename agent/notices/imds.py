@@ -28,7 +28,7 @@ from agent.notices.imds_parse import (
     parse_token,
 )
 from agent.notices.notice import Notice
-from spotdrain.clock import utcnow
+from spotdrain.clock import rfc3339, utcnow
 from spotdrain.metrics import CollectorRegistry, Counter, zeroed
 
 log = structlog.get_logger()
@@ -170,6 +170,7 @@ class ImdsSource:
         self.asg_budget = asg_budget
         self.clock = clock
         self._failing: str | None = None  # the error kind last logged, None while IMDS answers
+        self.last_round: datetime | None = None  # when the last round of requests ended, answered or not
         self._streak = 0  # rounds in a row that failed
         self._lifecycle_seen: dict[bytes, datetime] = {}
         self._seen: set[tuple[str, bool]] = set()  # notices yielded and not handed back
@@ -178,7 +179,7 @@ class ImdsSource:
         """Poll every ``interval_s`` (longer while IMDS fails) and yield each notice the first time it is seen (or
         again once handed back), and a withdrawn one once more. Runs until the consumer stops; IMDS failures never
         end it."""
-        instance_id = self.instance_id or await self.discover()
+        instance_id = self.instance_id = self.instance_id or await self.discover()
         while True:
             for notice in await self.poll(instance_id):
                 key = (notice.id, notice.withdrawn)
@@ -235,8 +236,19 @@ class ImdsSource:
         self._failing = kind
         return kind
 
+    def status(self) -> dict[str, str | None]:
+        """What ``spotdrain check --node`` shows of this source: when it last asked IMDS, and what fails if anything."""
+        last = None if self.last_round is None else rfc3339(self.last_round)
+        return {
+            "url": self.client.base_url,
+            "instance_id": self.instance_id,
+            "last_poll": last,
+            "failing": self._failing,
+        }
+
     def _round(self, kinds: list[str]) -> None:
         """Remember how the round went: the streak drives the backoff, a change of kind is logged once."""
+        self.last_round = self.clock()
         if not kinds and self._failing is not None:
             log.info("imds.recovered", after=self._failing)
             self._failing = None

@@ -20,6 +20,7 @@ import enum
 import math
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
@@ -27,6 +28,7 @@ import structlog
 from agent.notices.messages import Ignored, Invalid, LifecycleAction, Notices, parse
 from agent.notices.notice import Notice
 from agent.notices.sqs_calls import AwsQueue, clients
+from spotdrain.clock import rfc3339, utcnow
 from spotdrain.metrics import CollectorRegistry, Counter, zeroed
 from spotdrain.retry import BACKOFF_S, ApiError
 
@@ -197,6 +199,7 @@ class SqsSource:
             sqs=sqs, autoscaling=autoscaling, url=queue_url, backoff_s=backoff_s, on_error=metrics.failed
         )
         self._policy = _Policy(max_receives, retry_delay_s, visibility_timeout_s)
+        self.last_receive: datetime | None = None  # when the queue last answered a receive
         self._wait_time_s = min(MAX_WAIT_S, math.ceil(wait_time_s))
         self._max_in_flight = max_in_flight
         self._asg_budget_s = asg_budget_s
@@ -217,9 +220,15 @@ class SqsSource:
             messages = await self._queue.receive(
                 count, wait_time_s=self._wait_time_s, visibility_timeout_s=math.ceil(self._policy.visibility_timeout_s)
             )
+            self.last_receive = utcnow()
             for message in messages:
                 for notice in await self._accept(message):
                     yield notice
+
+    def status(self) -> dict[str, str | None]:
+        """What ``spotdrain check --node`` shows of this source: the queue and when it last answered."""
+        last = None if self.last_receive is None else rfc3339(self.last_receive)
+        return {"url": self._queue.url, "last_receive": last}
 
     async def _room(self) -> int:
         async with self._changed:

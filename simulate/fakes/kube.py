@@ -2,8 +2,10 @@
 
 HTTPS with its own CA and a bearer token; clients connect through ``write_kubeconfig`` or ``serviceaccount_dir``.
 It serves nodes, pods (with ``/status`` and ``/eviction``), core and events.k8s.io events and policy/v1
-PodDisruptionBudgets: get, list with label and field selectors, watch (``simulate.fakes.kube_watch``), create, replace,
-the three patch types, and graceful pod deletion that it finishes after the grace period, as a kubelet would. Tests
+PodDisruptionBudgets (and namespaces, Services, DaemonSets and Deployments, as plain objects): get, list with label and
+field selectors, watch (``simulate.fakes.kube_watch``), create, replace,
+the three patch types, a pod's proxy (``/pods/{name}:{port}/proxy/...``, to 127.0.0.1 only), and graceful pod
+deletion that it finishes after the grace period, as a kubelet would. Tests
 steer it with ``latency_s``, ``fail_next``, ``on_delete``, ``faults`` (hung requests, dropped connections, answers
 that are not JSON: see ``simulate.fakes.faults``) and ``watches`` (``drop()``, ``silence()``), and read what clients
 asked in ``calls``. ``token`` may do anything;
@@ -32,6 +34,7 @@ from simulate.fakes.faults import Faults
 from simulate.fakes.kube_api import Api, DeleteHook, Deletion
 from simulate.fakes.kube_auth import Accounts
 from simulate.fakes.kube_cluster import Cluster
+from simulate.fakes.kube_proxy import proxy
 from simulate.fakes.kube_resources import route
 from simulate.fakes.kube_select import KubeError, bad_request, flag
 from simulate.fakes.kube_store import Store
@@ -230,6 +233,8 @@ class FakeKube(Cluster):
             self.accounts.authorize(account, request.method, target, request.query)
             if request.method == "GET" and target.name is None and flag(request.query, "watch"):
                 return await self.watches.serve(request, target, request.query)
+            if target.subresource == "proxy":
+                return await proxy(request, target, self.store)
             body = await _body(request) if request.method in ("POST", "PUT", "PATCH", "DELETE") else None
             status, answer = self.api.serve(
                 request.method, target, query=request.query, content_type=request.content_type, body=body

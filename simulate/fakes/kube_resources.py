@@ -140,7 +140,7 @@ RESOURCES = {
     )
 }
 SUBRESOURCES = {
-    "pods": {"status", "eviction"},
+    "pods": {"status", "eviction", "proxy"},
     "nodes": {"status"},
     "poddisruptionbudgets": {"status"},
     "namespaces": {"status"},
@@ -156,6 +156,7 @@ class Target:
     namespace: str | None  # None: cluster-scoped, or every namespace
     name: str | None  # None: the collection
     subresource: str | None = None
+    rest: str = ""  # what follows ``/proxy``: the path asked of the pod
 
     @property
     def pattern(self) -> str:
@@ -181,7 +182,11 @@ def route(path: str) -> Target | None:
     namespace = None
     if len(rest) >= 3 and rest[0] == "namespaces":
         namespace, rest = rest[1], rest[2:]
-    if not 1 <= len(rest) <= 3 or (resource := RESOURCES.get((group_version, rest[0]))) is None:
+    # A pod's proxy takes a path of its own: /pods/{name}[:{port}]/proxy/{path...} (pkg/registry/core/pod/rest).
+    proxied = "/" + "/".join(rest[3:]) if len(rest) >= 3 and rest[:1] == ["pods"] and rest[2] == "proxy" else ""
+    if len(rest) > 3 and not proxied:
+        return None
+    if not rest or (resource := RESOURCES.get((group_version, rest[0]))) is None:
         return None
     if namespace is None and resource.namespaced and len(rest) > 1:
         return None  # a namespaced object needs its namespace; only its collection is listed across namespaces
@@ -189,4 +194,5 @@ def route(path: str) -> Target | None:
         return None
     if len(rest) == 3 and rest[2] not in SUBRESOURCES.get(resource.plural, set()):
         return None
-    return Target(resource, namespace, rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None)
+    name, subresource = rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
+    return Target(resource, namespace, name, subresource, proxied or ("/" if subresource == "proxy" else ""))

@@ -96,6 +96,7 @@ class Builder:
         ready: bool = True,
         grace_s: int | None = None,
         owner: Obj | None = None,
+        pod_ip: str | None = None,
     ) -> Obj:
         meta: Obj = {"labels": labels or {}}
         if owner is not None:
@@ -106,7 +107,12 @@ class Builder:
             spec["terminationGracePeriodSeconds"] = grace_s
         # As the kubelet writes them: Ready follows ContainersReady (pkg/kubelet/status/generate.go).
         flag = "True" if ready else "False"
-        status = {"phase": "Running", "conditions": [{"type": t, "status": flag} for t in ("ContainersReady", "Ready")]}
+        status: Obj = {
+            "phase": "Running",
+            "conditions": [{"type": t, "status": flag} for t in ("ContainersReady", "Ready")],
+        }
+        if pod_ip is not None:
+            status |= {"podIP": pod_ip, "podIPs": [{"ip": pod_ip}]}
         return await self.create("Pod", name, namespace=namespace, metadata=meta, spec=spec, status=status)
 
     async def endpoints(self, namespace: str, service: str, *, ready: list[bool]) -> Obj:
@@ -164,7 +170,11 @@ class Install:
 
 
 async def clean_install(
-    build: Builder, *, agent_tolerations: list[Obj] | None = None, agent_args: tuple[str, ...] = ()
+    build: Builder,
+    *,
+    agent_tolerations: list[Obj] | None = None,
+    agent_args: tuple[str, ...] = (),
+    agent_port: int = 8089,
 ) -> Install:
     """IMDS mode (the DaemonSet evicts), the webhook, vLLM with the sidecar and its budget, the gateway: every
     check passes. Two GPU nodes with their cache ready and one CPU node."""
@@ -174,7 +184,8 @@ async def clean_install(
     for name in gpu_nodes:
         await build.node(name)
     await build.node("cpu-1", gpu=False, cache=None)
-    agent = container("agent", AGENT_IMAGE, "spotdrain", "node", "--metrics-port", "8089", *agent_args)
+    agent = container("agent", AGENT_IMAGE, "spotdrain", "node", "--metrics-port", str(agent_port), *agent_args)
+    agent["ports"] = [{"name": "metrics", "containerPort": agent_port, "protocol": "TCP"}]
     tolerations = [{"operator": "Exists"}] if agent_tolerations is None else agent_tolerations
     agents = await build.create(
         "DaemonSet",
@@ -185,7 +196,13 @@ async def clean_install(
     )
     for name in gpu_nodes:
         await build.pod(
-            "spotdrain", f"spotdrain-node-{name}", node=name, containers=[agent], labels=AGENT_LABELS, owner=agents
+            "spotdrain",
+            f"spotdrain-node-{name}",
+            node=name,
+            containers=[agent],
+            labels=AGENT_LABELS,
+            owner=agents,
+            pod_ip="127.0.0.1",  # the host network: the node's address, where the agent listens
         )
     await _webhook(build)
     await _vllm(build)
@@ -233,7 +250,13 @@ async def _vllm(build: Builder) -> None:
     )
     for index, node in enumerate(("gpu-1", "gpu-2")):
         await build.pod(
-            "inference", f"vllm-{index}", node=node, containers=[engine(), sidecar()], labels=labels, grace_s=130
+            "inference",
+            f"vllm-{index}",
+            node=node,
+            containers=[engine(), sidecar()],
+            labels=labels,
+            grace_s=130,
+            pod_ip=f"127.0.0.{index + 2}",  # a pod network of loopback addresses, one per pod
         )
     ports = [{"name": "http", "port": 8000, "protocol": "TCP"}]
     await build.create("Service", "vllm", namespace="inference", spec={"selector": labels, "ports": ports})

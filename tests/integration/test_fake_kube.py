@@ -17,6 +17,7 @@ from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.rest import ApiException
 
 from simulate.fakes.kube import FakeKube
+from simulate.fakes.kube_resources import PODS
 from spotdrain.kube_rest import InCluster, patch
 
 MERGE = "application/merge-patch+json"
@@ -301,3 +302,39 @@ async def test_latency_is_added_to_every_call(kube: FakeKube, api: client.ApiCli
     started = time.monotonic()
     await core_v1(api).read_node("n1")
     assert time.monotonic() - started >= 0.2
+
+
+async def test_a_pods_proxy_sends_the_path_and_query_on_and_refuses_what_is_not_loopback(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    from aiohttp import web
+
+    from simulate.fakes.processes import free_port
+    from spotdrain.kube_rest import call
+    from spotdrain.retry import ApiError
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "query": dict(request.query)})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", echo)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        for name, address in (("here", "127.0.0.1"), ("elsewhere", "10.1.2.3")):
+            pod = kube.add_pod("spotdrain", name, node="n1")
+            pod["status"]["podIP"] = address
+            kube.store.update(PODS, pod)
+        cluster = InCluster.from_environment(kube.serviceaccount_dir(tmp_path / "sa"), kube.service_env())
+        async with aiohttp.ClientSession() as session:
+            answer = await call(
+                session, cluster, "GET", f"/api/v1/namespaces/spotdrain/pods/here:{port}/proxy/v1/status?a=1"
+            )
+            assert answer == {"path": "/v1/status", "query": {"a": "1"}}
+            with pytest.raises(ApiError, match="loopback addresses only") as refused:
+                await call(session, cluster, "GET", f"/api/v1/namespaces/spotdrain/pods/elsewhere:{port}/proxy/")
+            assert refused.value.status == 503
+    finally:
+        await runner.cleanup()

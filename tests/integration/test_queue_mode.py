@@ -251,10 +251,14 @@ async def test_queue_mode_calls_exactly_what_its_account_is_granted(
 
     sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
     sqs.send_message(QueueUrl=queue, MessageBody=change("open"))
-    async with queue_agent(kube, moto, queue, tmp_path):
+    # As daemonset/queue runs it: with the installation checks, whose list calls its role grants too.
+    async with queue_agent(kube, moto, queue, tmp_path, "--check-interval", "0.5"):
         await until(lambda: kube.pod("ml", "vllm-1") is None and kube.pod("ml", "vllm-2") is None)
         await until(lambda: messages_left(sqs, queue) == 0)
         sqs.send_message(QueueUrl=queue, MessageBody=change("closed"))
         await until(lambda: "unschedulable" not in kube.node("gpu-2")["spec"])
         await until(lambda: messages_left(sqs, queue) == 0)
+        await until(
+            lambda: kube.count("GET", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations") > 0
+        )
     assert needed(kube.calls, granted) == granted

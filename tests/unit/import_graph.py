@@ -29,7 +29,8 @@ ALLOWED: dict[str, tuple[str, ...] | None] = {
     "agent.cache": ("spotdrain", "agent.cache", "agent.drain.nodes"),  # the cache marks its node as the drain does
     "inject": ("spotdrain", "inject"),
     # `spotdrain check` finds the API as the agent does; the agent exports the same findings.
-    "check": ("spotdrain", "check", "agent.drain.kube_config"),
+    # --node plans the drain with the agent's own pure planning.
+    "check": ("spotdrain", "check", "agent.drain.kube_config", "agent.drain.planning"),
     "webhook": ("spotdrain", "inject", "webhook"),  # the second front end of inject.pods
     "simulate": ("spotdrain", "simulate"),
     # The fault campaign runs the node agent in its own process, where the simulation starts it as a program.
