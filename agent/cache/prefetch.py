@@ -71,10 +71,12 @@ class Tally:
 
 @dataclass(frozen=True)
 class PrefetchMetrics:
+    tally: Tally
     failures: Counter
 
     @classmethod
-    def create(cls, registry: CollectorRegistry, tally: Tally) -> PrefetchMetrics:
+    def create(cls, registry: CollectorRegistry, *, clock: Callable[[], float] = time.monotonic) -> PrefetchMetrics:
+        tally = Tally(clock=clock)
         models = Gauge("spotdrain_model_prefetch_models", "The node's models by state", ["state"], registry=registry)
         for state in STATES:
             models.labels(state=state).set_function(functools.partial(tally.count, state))
@@ -99,25 +101,17 @@ class PrefetchMetrics:
             registry=registry,
         )
         zeroed(failures, "reason", FAILURE_REASONS)
-        return cls(failures=failures)
+        return cls(tally=tally, failures=failures)
 
 
 class Prefetcher:
     """The node's models, fetched one after another, with the node's labels kept in step."""
 
-    def __init__(
-        self,
-        settings: PrefetchSettings,
-        actions: NodeActions,
-        *,
-        registry: CollectorRegistry,
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, settings: PrefetchSettings, actions: NodeActions, metrics: PrefetchMetrics) -> None:
         self.settings = settings
         self.actions = actions
-        self.clock = clock
-        self.tally = Tally(clock=clock)
-        self.metrics = PrefetchMetrics.create(registry, self.tally)
+        self.metrics = metrics
+        self.tally = metrics.tally
 
     async def run(self) -> None:
         """Fetches every model of the node; returns once all are ready (failed ones are tried again every
@@ -135,7 +129,7 @@ class Prefetcher:
             log.warning("cache.prefetch_skipped", node=self.settings.node_name, reason=f"no {READY_LABEL}=ready label")
             return
         await self._fetch_all(models)
-        self.tally.ready_after_s = self.clock() - self.tally.started
+        self.tally.ready_after_s = self.tally.clock() - self.tally.started
         log.info("cache.prefetched", node=self.settings.node_name, models=len(models), seconds=self.tally.ready_after_s)
         if self.settings.wait_for_models:
             await self._release()
@@ -252,7 +246,7 @@ async def run(
     registry = CollectorRegistry()
     async with api_client(settings.kubeconfig) as api:
         actions = KubeActions(api, limiter=RateLimiter(qps=5.0, burst=10), on_error=lambda _: None)
-        prefetcher = Prefetcher(settings, actions, registry=registry, clock=time.monotonic)
+        prefetcher = Prefetcher(settings, actions, PrefetchMetrics.create(registry))
 
         async def readiness() -> tuple[bool, str]:
             return True, "ok"  # the node's labels and the metrics say how the models are

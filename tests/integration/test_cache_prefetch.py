@@ -23,7 +23,7 @@ from agent.cache.disks import update_node
 from agent.cache.fetch.parts import MANIFEST
 from agent.cache.models import MODELS_ANNOTATION
 from agent.cache.plan import PENDING_TAINT, READY_LABEL, Outcome
-from agent.cache.prefetch import Prefetcher
+from agent.cache.prefetch import Prefetcher, PrefetchMetrics
 from agent.cache.prefetch_settings import PrefetchSettings
 from agent.drain.nodes import KubeActions, api_client
 from simulate.fakes.kube import FakeKube
@@ -98,9 +98,7 @@ async def prefetch(kube: FakeKube, settings: PrefetchSettings, registry: Collect
     async with api_client(settings.kubeconfig) as api:
         actions = KubeActions(api, limiter=RateLimiter(qps=100, burst=100), on_error=lambda _: None)
         try:
-            await asyncio.wait_for(
-                Prefetcher(settings, actions, registry=registry, clock=asyncio.get_running_loop().time).run(), 30
-            )
+            await asyncio.wait_for(Prefetcher(settings, actions, PrefetchMetrics.create(registry)).run(), 30)
         finally:
             await actions.close()
 
