@@ -44,6 +44,10 @@ STATES = ("pending", *(state.value for state in ModelState))
 FAILURE_REASONS = ("not_found", "denied", "checksum", "disk_full", "disk", "source", "listing", "other")
 
 
+class PrefetchFailed(Exception):
+    """With --once: a model failed in a way that retrying now will not mend."""
+
+
 class Tally:
     """Each model's state and bytes, and the download in progress: what the metrics read when scraped."""
 
@@ -140,6 +144,8 @@ class Prefetcher:
             left = [model for model in left if not await self._fetch_one(model)]
             if not left:
                 return
+            if self.settings.once:
+                raise PrefetchFailed(f"not fetched: {', '.join(model.name for model in left)}")
             log.info("cache.prefetch_retry_later", models=[m.name for m in left], in_s=self.settings.retry_failed_s)
             await asyncio.sleep(self.settings.retry_failed_s)
 
@@ -238,28 +244,45 @@ class Prefetcher:
 async def run(
     settings: PrefetchSettings, *, stop: asyncio.Event | None = None, ready_flag: asyncio.Event | None = None
 ) -> int:
-    """Prefetch, then serve the metrics until SIGTERM (or until ``stop`` is set); returns the exit code."""
+    """Prefetch, then serve the metrics until SIGTERM (or until ``stop`` is set), or with ``--once`` exit once the
+    models are ready; returns the exit code."""
     log_effective("cache prefetch", settings)
-    if stop is None:
-        stop = asyncio.Event()
-        on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
     registry = CollectorRegistry()
     async with api_client(settings.kubeconfig) as api:
         actions = KubeActions(api, limiter=RateLimiter(qps=5.0, burst=10), on_error=lambda _: None)
         prefetcher = Prefetcher(settings, actions, PrefetchMetrics.create(registry))
-
-        async def readiness() -> tuple[bool, str]:
-            return True, "ok"  # the node's labels and the metrics say how the models are
-
-        server = serve(
-            probe_app(registry, ready=readiness), host=settings.host, port=settings.metrics_port, ready_flag=ready_flag
-        )
         try:
-            ok = await Supervisor(stop).run(
-                [("probe_server", server), ("prefetch", prefetcher.run())], one_shot={"prefetch"}
-            )
+            if settings.once:
+                return await _once(prefetcher)
+            return await _serving(prefetcher, registry, stop=stop, ready_flag=ready_flag)
         finally:
             await actions.close()
+
+
+async def _once(prefetcher: Prefetcher) -> int:
+    try:
+        await prefetcher.run()
+    except PrefetchFailed as error:
+        log.error("cache.prefetch_incomplete", node=prefetcher.settings.node_name, error=str(error))
+        return 1
+    return 0
+
+
+async def _serving(
+    prefetcher: Prefetcher, registry: CollectorRegistry, *, stop: asyncio.Event | None, ready_flag: asyncio.Event | None
+) -> int:
+    if stop is None:
+        stop = asyncio.Event()
+        on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+
+    async def readiness() -> tuple[bool, str]:
+        return True, "ok"  # the node's labels and the metrics say how the models are
+
+    settings = prefetcher.settings
+    server = serve(
+        probe_app(registry, ready=readiness), host=settings.host, port=settings.metrics_port, ready_flag=ready_flag
+    )
+    ok = await Supervisor(stop).run([("probe_server", server), ("prefetch", prefetcher.run())], one_shot={"prefetch"})
     return 0 if ok else 1
 
 

@@ -25,6 +25,7 @@ class PrefetchSettings:
     retry_failed_s: float  # a model whose fetch failed for good is tried again after this long
     host: str
     metrics_port: int
+    once: bool = False  # exit once the models are ready (1 after a failure that retrying now will not mend)
     progress_interval_s: float = 5.0
     backoff_s: tuple[float, ...] = BACKOFF_S  # between attempts of one request
     transient_backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)  # between fetches failing on the source
@@ -66,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds before a model whose fetch failed for good (access denied, a 404, a bad checksum) is tried again",
     )
+    add_switch(
+        parser,
+        "--once",
+        default=False,
+        help="exit 0 once every model is ready, 1 after a failure that retrying now will not mend, instead of serving "
+        "the metrics until stopped (for a Job or a script)",
+    )
     add_flag(parser, "--host", default="0.0.0.0", help="address of the metrics and probe server")
     add_flag(parser, "--metrics-port", convert=port, default=8091, help="port of /metrics, /livez and /readyz")
 
@@ -90,4 +98,5 @@ def from_arguments(args: argparse.Namespace) -> PrefetchSettings:
         retry_failed_s=args.retry_failed,
         host=args.host,
         metrics_port=args.metrics_port,
+        once=args.once,
     )

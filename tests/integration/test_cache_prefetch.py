@@ -303,3 +303,29 @@ async def test_the_command_serves_its_metrics_until_sigterm_and_exits_0(
     assert process.returncode == 0, stderr
     events = [json.loads(line).get("event") for line in stderr.splitlines() if line.startswith("{")]
     assert "cache.prefetched" in events
+
+
+@pytest.mark.parametrize("mended", [True, False])
+async def test_once_exits_0_with_the_models_ready_and_1_after_a_failure_retrying_will_not_mend(
+    mended: bool, mirrors: dict[str, tuple[FaultyServer, str]], cache: Path, tmp_path: Path
+) -> None:
+    server, source = mirrors["b"]
+    if not mended:
+        server.listed_only.add("tokenizer.json")
+    kube = await cluster(f"b={source}", taints=[GPU])
+    command = [
+        sys.executable, "-m", "spotdrain.cli", "cache", "prefetch", "--once",
+        "--node-name", NODE,
+        "--kubeconfig", str(kube.write_kubeconfig(tmp_path / "kubeconfig")),
+        "--model-cache-path", str(cache),
+    ]  # fmt: skip
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *command, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        await kube.stop()
+    assert process.returncode == (0 if mended else 1), err.decode()
+    assert model_labels(kube) == {"spotdrain.io/model.b": "ready" if mended else "failed"}
+    assert (cache / "models" / "b").is_dir() == mended
