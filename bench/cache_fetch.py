@@ -147,7 +147,7 @@ class Bench:
     def prepare(self, way: Way | None) -> None:
         if way is not None:
             shutil.rmtree(way.wipe, ignore_errors=True)
-            if way.tool == "spotdrain":  # the cache exists, mounted, before anything is fetched into it
+            if way.tool.startswith("spotdrain"):  # the cache exists, mounted, before anything is fetched into it
                 way.wipe.mkdir(parents=True)
         if self.options.drop_caches:
             self.dropped.append(drop_page_cache())
@@ -265,7 +265,14 @@ def _source_row(bench: Bench, server: Server | None, why_no_server: str, *, ever
 
 
 def _tool_rows(bench: Bench, server: Server) -> list[Row]:
-    found = fetch_peers.ways(server, bench.dest, files=bench.options.files, tuned=bench.options.tuned)
+    with fetch_peers.node_naming_the_model(bench.dest) as kubeconfig:
+        found = fetch_peers.ways(
+            server, bench.dest, files=bench.options.files, tuned=bench.options.tuned, kubeconfig=kubeconfig
+        )
+        return _measured_rows(bench, server, found)
+
+
+def _measured_rows(bench: Bench, server: Server, found: list[Way | Missing]) -> list[Row]:
     versions = {w.tool: fetch_peers.version_of(_version_argv(w)) for w in found if isinstance(w, Way)}
     for run in range(bench.options.runs):
         for way in found:
@@ -282,7 +289,7 @@ def _tool_rows(bench: Bench, server: Server) -> list[Row]:
 
 
 def _version_argv(way: Way) -> list[str]:
-    if way.tool == "spotdrain":
+    if way.tool.startswith("spotdrain"):
         return ["git", "-C", str(fetch_peers.ROOT), "log", "-1", "--format=spotdrain at %h"]
     return [way.argv[0], "version" if way.tool in ("s5cmd", "rclone") else "--version"]
 
@@ -297,6 +304,7 @@ def rows(options: Options, dest: Path) -> tuple[list[Row], dict[str, Any]]:
         table = _reference_rows(bench, None, why)
         for way in ("s5cmd", "rclone", "aws", "spotdrain"):
             table += [Row(way, config, skipped=why) for config in ("default", "tuned")]
+        table.append(Row(fetch_peers.PREFETCH, "default", skipped=why))
         server_name = None
     else:
         with rclone_s3(rclone, source.root, log_path=dest / "rclone-serve.log") as server:
@@ -336,6 +344,13 @@ def targets(table: list[Row]) -> list[Result]:
         rss = max(r.peak_rss_mb or 0.0 for r in ours)
         detail = "the largest resident set of spotdrain cache fetch in any run, default and tuned"
         results.append(Result("cache_fetch_peak_rss", rss, "MB", RSS_TARGET_MB, rss <= RSS_TARGET_MB, detail))
+    prefetch = by.get((fetch_peers.PREFETCH, "default"))
+    if prefetch is None or prefetch.peak_rss_mb is None:
+        results.append(Result.skip("model_prefetch_peak_rss", "MB", RSS_TARGET_MB, _why_not(prefetch)))
+    else:
+        rss = prefetch.peak_rss_mb
+        detail = "the largest resident set of spotdrain cache prefetch --once (the Kubernetes client loaded) in any run"
+        results.append(Result("model_prefetch_peak_rss", rss, "MB", RSS_TARGET_MB, rss <= RSS_TARGET_MB, detail))
     return results
 
 

@@ -14,6 +14,7 @@ A tool that is not installed, or (ours) a checkout without ``spotdrain cache fet
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from bench.s3_source import BUCKET, PREFIX, Server, tool
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench-model"
+PREFETCH, PREFETCH_NODE = "spotdrain prefetch", "bench-node"
 PART_MIB = 16
 
 
@@ -201,17 +204,62 @@ def _ours(server: Server, dest: Path, tuned: int | None) -> list[Way] | Missing:
     return ways
 
 
-def ways(server: Server, dest: Path, *, files: int, tuned: int | None) -> list[Way | Missing]:
-    """Every tool at its defaults and (unless ``tuned`` is None) tuned; a tool not here is one Missing per config."""
+def _prefetch(server: Server, dest: Path, kubeconfig: Path | None) -> list[Way] | Missing:
+    """``spotdrain cache prefetch --once`` of the node the fake API serves: the fetch with the Kubernetes client
+    loaded beside it, as it runs in the agent's pod."""
+    why = ours_missing()
+    if why is not None or kubeconfig is None:
+        return Missing(PREFETCH, "", why or "no fake Kubernetes API to name the node's models")
+    cache = dest / "prefetch"
+    argv = [sys.executable, "-m", "spotdrain.cli", "cache", "prefetch", "--once", "--node-name", PREFETCH_NODE]
+    argv += ["--kubeconfig", str(kubeconfig), "--model-cache-path", str(cache)]
+    argv += ["--aws-endpoint-url", server.url, "--aws-region", "us-east-1"]
+    env = {"PYTHONPATH": str(ROOT)}
+    warm = [sys.executable, "-m", "spotdrain.cli", "cache", "prefetch", "--help"]
+    return [Way(PREFETCH, "default", "--once", argv, cache / "models" / MODEL_NAME, cache, env, warm)]
+
+
+@contextlib.contextmanager
+def node_naming_the_model(dest: Path) -> Iterator[Path]:
+    """The fake Kubernetes API, in a thread of its own, serving one node with a ready cache whose
+    ``spotdrain.io/models`` names the benchmark's model; yields its kubeconfig."""
+    from simulate.fakes.kube import FakeKube
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-kube", daemon=True)
+    thread.start()
+
+    async def start() -> FakeKube:
+        kube = FakeKube()
+        await kube.start()
+        annotation = f"{MODEL_NAME}=s3://{BUCKET}/{PREFIX}"
+        labels = {"spotdrain.io/model-cache": "ready"}
+        kube.add_node(PREFETCH_NODE, labels=labels, annotations={"spotdrain.io/models": annotation})
+        return kube
+
+    kube = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    try:
+        yield kube.write_kubeconfig(dest / "kubeconfig")
+    finally:
+        asyncio.run_coroutine_threadsafe(kube.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def ways(server: Server, dest: Path, *, files: int, tuned: int | None, kubeconfig: Path | None) -> list[Way | Missing]:
+    """Every tool at its defaults and (unless ``tuned`` is None) tuned; a tool not here is one Missing per config.
+    ``kubeconfig`` is a fake API's that names the model on the prefetch's node."""
     found: list[Way | Missing] = []
     for each in (
         _s5cmd(server, dest, tuned),
         _rclone(server, dest, tuned, files),
         _aws(server, dest, tuned, files),
         _ours(server, dest, tuned),
+        _prefetch(server, dest, kubeconfig),
     ):
         if isinstance(each, Missing):
-            configs = ("default", "tuned") if tuned is not None else ("default",)
+            configs = ("default", "tuned") if tuned is not None and each.tool != PREFETCH else ("default",)
             found += [Missing(each.tool, config, each.reason) for config in configs]
         else:
             found += each

@@ -82,8 +82,9 @@ def _command_in(argv: Sequence[str]) -> str:
     """The subcommand the words name: the first that is one (the options before it take only their choices)."""
     words = list(argv)
     name = next((word for word in words if word in COMMANDS), "")
-    if name == "cache" and "fetch" in words[words.index(name) + 1 :]:
-        return "cache fetch"
+    after = words[words.index(name) + 1 :] if name else []
+    if name == "cache" and ("fetch" in after or "prefetch" in after):
+        return "cache " + next(word for word in after if word in ("fetch", "prefetch"))
     return name
 
 

@@ -208,14 +208,14 @@ async def prepare_disks(devices: Sequence[str], settings: CacheSettings, runner:
 # The node ---------------------------------------------------------------------------------------------------------
 
 
-async def update_node(actions: NodeActions, name: str, outcome: Outcome) -> bool:
+async def update_node(actions: NodeActions, name: str, outcome: Outcome, *, wait_for_models: bool = False) -> bool:
     """Label and untaint (or not) the node in one guarded patch; True if it changed. Conflicts re-read the node."""
 
     async def attempt() -> bool:
         node = await actions.get_node(name)
         if node is None:
             raise ApiError(404, f"node {name} not found")
-        patch = plan_node_update(node, outcome)
+        patch = plan_node_update(node, outcome, wait_for_models=wait_for_models)
         if patch is None:
             return False
         await actions.patch_node(name, patch)

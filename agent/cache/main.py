@@ -7,10 +7,15 @@ import argparse
 
 
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "cache_command", None) == "fetch":
+    command = getattr(args, "cache_command", None)
+    if command == "fetch":
         from agent.cache.fetch import run as fetch
 
         return fetch.main(args)
+    if command == "prefetch":
+        from agent.cache import prefetch
+
+        return prefetch.main(args)
     from agent.cache import run
 
     return run.main(args)

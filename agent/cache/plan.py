@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from agent.cache.models import names_models
 from agent.cache.settings import CacheSettings
 
 LABEL = "model-cache"  # the cache filesystem's label; xfs labels hold at most 12 characters
@@ -215,10 +216,14 @@ class Outcome(Enum):
     FAILED = "failed"  # the startup taint stays; a label left from an earlier boot would lie
 
 
-def plan_node_update(node: Mapping[str, Any], outcome: Outcome) -> dict[str, Any] | None:
+def plan_node_update(
+    node: Mapping[str, Any], outcome: Outcome, *, wait_for_models: bool = False
+) -> dict[str, Any] | None:
     """A merge patch guarded by resourceVersion; None if the node is as it should be.
 
-    ``spec.taints`` is an atomic list in Kubernetes: the patch carries it whole, every other taint kept.
+    ``spec.taints`` is an atomic list in Kubernetes: the patch carries it whole, every other taint kept. With
+    ``wait_for_models`` a node with a cache whose annotation names models keeps the startup taint: the prefetch
+    removes it once they are all ready (a node without a cache prefetches nothing, so it has nothing to wait for).
     """
     labels = (node.get("metadata") or {}).get("labels") or {}
     taints = [t for t in (node.get("spec") or {}).get("taints") or [] if isinstance(t, dict)]
@@ -227,7 +232,8 @@ def plan_node_update(node: Mapping[str, Any], outcome: Outcome) -> dict[str, Any
     if labels.get(READY_LABEL) != wanted:
         metadata["labels"] = {READY_LABEL: wanted}
     patch: dict[str, Any] = {"metadata": metadata}
-    if outcome is not Outcome.FAILED and any(t.get("key") == PENDING_TAINT for t in taints):
+    release = outcome is Outcome.ABSENT or (outcome is Outcome.READY and not (wait_for_models and names_models(node)))
+    if release and any(t.get("key") == PENDING_TAINT for t in taints):
         patch["spec"] = {"taints": [t for t in taints if t.get("key") != PENDING_TAINT] or None}
     return patch if len(metadata) > 1 or "spec" in patch else None
 

@@ -102,7 +102,7 @@ async def prepare_cache(
             metrics.refresh(settings.path)
     changed = False
     if actions is not None and node_name:
-        changed = await update_node(actions, node_name, outcome)
+        changed = await update_node(actions, node_name, outcome, wait_for_models=settings.wait_for_models)
     log.info(
         "cache." + outcome.value, device=plan.target, path=str(settings.path), reason=plan.reason, steps=len(steps)
     )

@@ -29,6 +29,7 @@ class CacheSettings:
     state_dir: Path
     name: str
     root: Path = Path("/")  # where /dev and /sys are looked for by discovery; tests point it at a fake tree
+    wait_for_models: bool = False  # keep the startup taint while the node's models (spotdrain.io/models) are fetched
 
     @property
     def array_path(self) -> str:
@@ -71,20 +72,34 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the RAID0 array's configuration is recorded (mdadm.conf), on a disk that survives a stop",
     )
     add_flag(parser, "--model-cache-name", default="model-cache", help="name of the RAID0 array (/dev/md/NAME)")
+    add_switch(
+        parser,
+        "--model-cache-wait-for-models",
+        default=False,
+        help="keep the startup taint on a node whose spotdrain.io/models annotation names models until `spotdrain "
+        "cache prefetch` has them all (without it the taint goes once the cache is mounted)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``spotdrain cache`` command line: alone it prepares the cache; ``spotdrain cache fetch`` fills it."""
+    from agent.cache import prefetch_settings
     from agent.cache.fetch import settings as fetch_settings
 
     add_cache_arguments(parser)
     commands = parser.add_subparsers(
         dest="cache_command",
-        metavar="{fetch}",
-        help="fetch: fill the cache with a model (without it: prepare the cache)",
+        metavar="{fetch,prefetch}",
+        help="fetch: fill the cache with a model; prefetch: with the models the node's spotdrain.io/models names, "
+        "and stay to report them (without either: prepare the cache)",
     )
     fetch_settings.add_arguments(
         commands.add_parser("fetch", help="copy one model from S3 or a Hugging Face-style mirror into the cache")
+    )
+    prefetch_settings.add_arguments(
+        commands.add_parser(
+            "prefetch", help="fetch the models the node's spotdrain.io/models annotation names, labelling the node"
+        )
     )
     add_flag(parser, "--node-name", aliases=("NODE_NAME",), help="label and untaint this node once the cache is ready")
     add_flag(
@@ -115,6 +130,7 @@ def from_arguments(args: argparse.Namespace) -> CacheSettings:
         force=args.model_cache_force,
         state_dir=state_dir,
         name=args.model_cache_name,
+        wait_for_models=args.model_cache_wait_for_models,
     )
 
 

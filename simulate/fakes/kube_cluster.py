@@ -31,9 +31,16 @@ class Cluster:
         labels: Mapping[str, str] | None = None,
         taints: Sequence[Mapping[str, str]] = (),
         unschedulable: bool = False,
+        annotations: Mapping[str, str] | None = None,
     ) -> Obj:
         node = kube_objects.node(
-            name, provider=provider_id, labels=labels, taints=taints, unschedulable=unschedulable, now=self._now()
+            name,
+            provider=provider_id,
+            labels=labels,
+            taints=taints,
+            unschedulable=unschedulable,
+            now=self._now(),
+            annotations=annotations,
         )
         return self.store.create(NODES, None, node)
 

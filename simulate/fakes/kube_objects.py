@@ -31,6 +31,7 @@ def node(
     taints: Sequence[Mapping[str, str]],
     unschedulable: bool,
     now: datetime,
+    annotations: Mapping[str, str] | None = None,
 ) -> Obj:
     spec: Obj = {"providerID": provider or provider_id(name)}
     if taints:
@@ -38,8 +39,11 @@ def node(
     if unschedulable:
         spec["unschedulable"] = True
     ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"}
+    metadata: Obj = {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
     return {
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+        "metadata": metadata,
         "spec": spec,
         "status": {
             "conditions": [ready | {"lastHeartbeatTime": _time(now), "lastTransitionTime": _time(now)}],

@@ -94,6 +94,7 @@ LAYERS = (
     Layer("deploy/components/vllm"),
     Layer("deploy/components/keda", after=("deploy/components/vllm",)),
     Layer("deploy/components/podmonitors/agent"),
+    Layer("deploy/components/podmonitors/model-prefetch", after=("deploy/components/model-prefetch",)),
     Layer("deploy/components/podmonitors/vllm", after=("deploy/components/vllm",)),
     Layer("deploy/components/podmonitors/gateway", under=("deploy/gateway",)),
     Layer("deploy/components/podmonitors/kuberay", under=("deploy/kuberay",)),
@@ -490,8 +491,10 @@ def parse(call: Invocation, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     except SystemExit:
         pytest.fail(f"{call.where}: spotdrain {' '.join(call.argv)}\n{capsys.readouterr().err}")
     module = importlib.import_module(COMMANDS[call.subcommand][1])
-    if getattr(args, "cache_command", None) == "fetch":  # `spotdrain cache fetch` has its own (agent/cache/run.py)
-        module = importlib.import_module("agent.cache.fetch.settings")
+    # `spotdrain cache fetch` and `spotdrain cache prefetch` have settings of their own (agent/cache/main.py).
+    own = {"fetch": "agent.cache.fetch.settings", "prefetch": "agent.cache.prefetch_settings"}
+    if getattr(args, "cache_command", None) in own:
+        module = importlib.import_module(own[args.cache_command])
     return module.from_arguments(args) if hasattr(module, "from_arguments") else args
 
 

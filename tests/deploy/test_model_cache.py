@@ -6,6 +6,7 @@ model-cache stack trusts those service accounts with."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 from agent.cache.fetch.settings import FetchSettings
 from agent.cache.fetch.sources import S3Source, parse_source
 from agent.cache.plan import READY_LABEL
+from agent.cache.prefetch_settings import PrefetchSettings
 from agent.cache.settings import CacheSettings
 from tests.deploy.manifests import (
     Obj,
@@ -248,3 +250,37 @@ def test_every_model_the_manifests_fetch_is_under_the_prefix_the_policy_grants()
         assert isinstance(source, S3Source), text
         stack = Stack.of(ModelBucket=source.bucket)
         assert source.prefix.startswith(stack.parameters["ModelPrefix"]), text
+
+
+# The prefetch beside the agent -------------------------------------------------------------------------------------
+
+
+def test_the_prefetch_container_fills_the_agents_cache_and_alone_in_its_pod_gets_the_aws_role(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    objects = render("deploy/examples/full")
+    template = next(t for t in pod_templates(objects) if t.name.startswith("DaemonSet spotdrain-node"))
+    prefetch = next(c for c in template.containers if c["name"] == "model-prefetch")
+    call = invocation(template.name, prefetch, objects)
+    assert call is not None
+    settings: PrefetchSettings = parse(call, monkeypatch, capsys)
+    # Its node from the downward API, and the cache the init container mounted, seen through the same host path.
+    [node_name] = [e for e in prefetch["env"] if e["name"] == "NODE_NAME"]
+    assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert settings.node_name
+    assert settings.cache_path == _agents_cache(monkeypatch, capsys).path
+    volumes = {v["name"]: v for v in template.spec["volumes"]}
+    [mount] = [m for m in prefetch["volumeMounts"] if Path(m["mountPath"]) == settings.cache_path]
+    assert volumes[mount["name"]]["hostPath"]["path"] == str(settings.cache_path)
+    assert mount["mountPropagation"] == "HostToContainer"
+    ports = {p["containerPort"] for c in template.containers for p in c.get("ports", [])}
+    assert settings.metrics_port in ports
+    assert prefetch["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert prefetch["securityContext"]["readOnlyRootFilesystem"] is True
+    assert _bytes(prefetch["resources"]["limits"]["memory"]) >= 256 * 2**20
+    [account] = named(objects, "ServiceAccount", template.spec["serviceAccountName"])
+    assert ROLE in account["metadata"]["annotations"]
+    others = {c["name"] for c in template.containers + template.spec.get("initContainers", [])} - {"model-prefetch"}
+    skipped = set(template.annotations[SKIP].split(","))
+    assert "agent" in skipped
+    assert skipped <= others

@@ -378,16 +378,40 @@ async def test_wait_tries_again_after_a_source_that_fails_for_longer_than_the_re
     assert [log["reason"] for log in logs if log["event"] == "cache.fetch_retry"] == ["source"]
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 3 MiB tmpfs: too small for the model."""
+def _mount(argv: list[str], what: str) -> None:
+    mounted = subprocess.run(argv, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount {what} here: {mounted.stderr.decode().strip()}")
+
+
+@pytest.fixture(params=["tmpfs", "ext4 on a loop device"])
+def small_disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """3 MiB of tmpfs, or a 6 MiB ext4 filesystem on a loop device (xfs needs 300 MB at least): too small for the
+    model either way."""
     small = tmp_path / "small"
     small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    yield small
-    subprocess.run(["umount", str(small)], check=True)
+    if request.param == "tmpfs":
+        _mount(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], "a small tmpfs")
+        yield small
+        subprocess.run(["umount", str(small)], check=True)
+        return
+    missing = [tool for tool in ("losetup", "mkfs.ext4") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"a loop device needs root, losetup and mkfs.ext4; missing {missing or ['root']}")
+    image = tmp_path / "small.img"
+    with image.open("wb") as file:
+        file.truncate(6 * MIB)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    attached = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True)
+    if attached.returncode != 0:
+        pytest.skip(f"cannot attach a loop device here: {attached.stderr.strip()}")
+    device = attached.stdout.strip()
+    try:
+        _mount(["mount", device, str(small)], f"{device}")
+        yield small
+        subprocess.run(["umount", str(small)], check=True)
+    finally:
+        subprocess.run(["losetup", "-d", device], capture_output=True)
 
 
 @pytest.mark.parametrize("found_at", ["preallocation", "write"])

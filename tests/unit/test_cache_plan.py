@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.cache.models import MODELS_ANNOTATION
 from agent.cache.plan import (
     NOTHING_TO_DO,
     PENDING_TAINT,
@@ -297,3 +298,21 @@ def test_cache_flags_read_their_variables(monkeypatch: pytest.MonkeyPatch) -> No
 def test_invalid_cache_flags_are_refused_with_the_reason(argv: list[str], message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         command_from_arguments(build_parser().parse_args(["cache", *argv]))
+
+
+def with_models(annotation: str, **fields: Any) -> dict[str, Any]:
+    before = node(**fields)
+    before["metadata"]["annotations"] = {MODELS_ANNOTATION: annotation}
+    return before
+
+
+def test_waiting_for_models_keeps_the_startup_taint_only_where_the_node_names_a_model_and_has_a_cache() -> None:
+    named = with_models("qwen=s3://models/qwen/", taints=[GPU_TAINT, PENDING])
+    assert plan_node_update(named, Outcome.READY, wait_for_models=True) == {
+        "metadata": {"resourceVersion": "41", "labels": {READY_LABEL: "ready"}}
+    }
+    assert plan_node_update(named, Outcome.READY)["spec"] == {"taints": [GPU_TAINT]}  # type: ignore[index]
+    # Nothing valid to fetch, or no cache to fetch into: nothing to wait for.
+    for unnamed in (with_models("qwen", taints=[PENDING]), node(taints=[PENDING])):
+        assert plan_node_update(unnamed, Outcome.READY, wait_for_models=True)["spec"] == {"taints": None}  # type: ignore[index]
+    assert plan_node_update(named, Outcome.ABSENT, wait_for_models=True)["spec"] == {"taints": [GPU_TAINT]}  # type: ignore[index]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,8 +32,9 @@ from spotdrain.settings import log_effective
 log = structlog.get_logger()
 
 
-async def fetch(settings: FetchSettings) -> Path:
-    """The model's directory once it is complete there; raises FetchError."""
+async def fetch(settings: FetchSettings, *, watch: Callable[[Progress], None] | None = None) -> Path:
+    """The model's directory once it is complete there; raises FetchError. ``watch`` is given the download's
+    progress once the source is listed (a model already present has none)."""
     if not settings.cache_path.is_dir():
         raise FetchError(f"{settings.cache_path}: no such directory (is the cache mounted?)", reason="disk")
     settings.models.mkdir(exist_ok=True)
@@ -47,11 +49,11 @@ async def fetch(settings: FetchSettings) -> Path:
             return settings.target
         if record is not None:
             log.warning("cache.model_replaced", name=settings.name, source=record.get("source"), problems=problems[:5])
-        await _fetch_locked(settings)
+        await _fetch_locked(settings, watch)
     return settings.target
 
 
-async def _fetch_locked(settings: FetchSettings) -> None:
+async def _fetch_locked(settings: FetchSettings, watch: Callable[[Progress], None] | None) -> None:
     """List, download into staging (resuming what is there), check and publish; under the model's lock."""
     timeout = aiohttp.ClientTimeout(
         total=settings.request_timeout_s * 10,
