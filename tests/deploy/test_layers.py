@@ -29,7 +29,7 @@ from tests.deploy.manifests import (
 from tests.deploy.test_cfn import _template as cloudformation_template
 
 PLACEHOLDERS = DEPLOY / "PLACEHOLDERS.md"
-README = ROOT / "README.md"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the landing page and the pages it links
 FULL = "deploy/examples/full"
 # Parts of another kustomization, not installed on their own: checked inside the one that includes them.
 PARTS = {"daemonset/queue": "daemonset/queue-mode"}
@@ -220,8 +220,8 @@ _PATH = re.compile(r"(?<![\w/.-])((?:deploy|daemonset)/[\w./-]*)")
 _APPLY = re.compile(r"kubectl apply -k ((?:[\w.-]+/)*[\w.-]+)/?(?=[\s`]|$)")
 
 
-def test_every_path_the_readme_names_exists_and_every_optional_layer_is_in_it() -> None:
-    text = README.read_text()
+def test_every_path_the_docs_name_exists_and_every_optional_layer_is_in_them() -> None:
+    text = "\n".join(page.read_text() for page in DOCS)
     named_paths = {path.rstrip(".,:;") for path in _PATH.findall(text)}
     assert sorted(path for path in named_paths if not (ROOT / path).exists()) == []
     layers = [c for c in components() if c.startswith("deploy/components/")]
@@ -229,7 +229,7 @@ def test_every_path_the_readme_names_exists_and_every_optional_layer_is_in_it() 
 
 
 def test_what_the_docs_say_to_apply_is_a_kustomization() -> None:
-    texts = [README.read_text(), PLACEHOLDERS.read_text()]
+    texts = [*(page.read_text() for page in DOCS), PLACEHOLDERS.read_text()]
     texts += [(ROOT / d / "kustomization.yaml").read_text() for d in kustomization_dirs()]
     applied = {path for text in texts for path in _APPLY.findall(text)}
     assert applied

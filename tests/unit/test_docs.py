@@ -1,16 +1,17 @@
-"""The README is the reference users read: every flag and every metric series the code has must be in it."""
+"""The README and docs/ are the reference users read: every flag and every metric series the code has must be in
+them."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import every_series
 from tests.deploy.manifests import option_strings
+from tests.unit.docs_pages import text_of_docs
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README = text_of_docs()  # README.md and every page of docs/
 
 
 def series() -> list[str]:
@@ -22,7 +23,7 @@ def test_every_series_starts_with_spotdrain_and_is_documented() -> None:
     assert len(names) >= 20
     for name in names:
         assert name.startswith("spotdrain_"), name
-        assert f"`{name}" in README, f"{name} is not documented in README.md"
+        assert f"`{name}" in README, f"{name} is not documented in README.md or docs/"
 
 
 @pytest.mark.parametrize("command", ["sidecar", "node", "cache", "inject", "webhook", "simulate", "gateway", "check"])
@@ -31,7 +32,7 @@ def test_every_flag_is_documented(command: str) -> None:
     flags = [flag for flag in option_strings(command) if flag.startswith("--")]
     documented = [flag.replace("--no-", "--", 1) if flag.startswith("--no-") else flag for flag in flags]
     missing = [flag for flag in documented if flag != "--help" and flag not in README]
-    assert missing == [], f"spotdrain {command}: {missing} not in README.md"
+    assert missing == [], f"spotdrain {command}: {missing} not in README.md or docs/"
 
 
 def test_every_cache_fetch_flag_is_documented() -> None:
