@@ -22,7 +22,7 @@ from agent.drain.nodes import DryRunActions, KubeActions, NodeActions, NodeIndex
 from agent.drain.progress import Progress, Watched
 from agent.node_settings import NodeSettings, from_arguments
 from agent.notices.notice import Notice
-from agent.status import AgentStatus
+from agent.status import AgentStatus, Source
 from spotdrain.clock import utcnow
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import probe_app, serve
@@ -90,10 +90,10 @@ async def model_cache(settings: NodeSettings, actions: NodeActions, metrics: Cac
     await usage_reporter(metrics, settings.cache.path)
 
 
-class NoticeSource(Protocol):
-    def notices(self) -> AsyncIterator[Notice]: ...
+class NoticeSource(Source, Protocol):
+    """IMDS or SQS: the notices, and what ``/v1/status`` says of the source."""
 
-    def status(self) -> dict[str, str | None]: ...
+    def notices(self) -> AsyncIterator[Notice]: ...
 
 
 def _source(settings: NodeSettings, http: aiohttp.ClientSession, registry: CollectorRegistry) -> NoticeSource:
