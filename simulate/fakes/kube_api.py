@@ -20,7 +20,7 @@ import structlog
 from simulate.fakes.kube_budget import disruption_budget, eviction_refusal, pdb_status
 from simulate.fakes.kube_objects import effective_grace, with_ready_condition
 from simulate.fakes.kube_patch import apply_patch
-from simulate.fakes.kube_resources import PDBS, PODS, Target
+from simulate.fakes.kube_resources import NODES, PDBS, PODS, Target
 from simulate.fakes.kube_select import KubeError, Obj, bad_request
 from simulate.fakes.kube_store import Store, confine, conflict, selected
 from spotdrain.clock import rfc3339
@@ -120,6 +120,8 @@ class Api:
         namespace = body.get("metadata", {}).get("namespace")
         if namespace and namespace != target.namespace:
             raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
+        if target.resource is NODES:
+            body = _not_ready_until_the_kubelet_says(body)
         return self.shown(self.store.create(target.resource, target.namespace, body))
 
     def _replace(self, target: Target, body: Any) -> Obj:
@@ -209,6 +211,21 @@ class Api:
         self._hook_tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("kube.delete_hook_failed", error=repr(task.exception()))
+
+
+NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+
+
+def _not_ready_until_the_kubelet_says(node: Obj) -> Obj:
+    """A Node created through the API gets the taint ``node.kubernetes.io/not-ready:NoSchedule``, which the node
+    lifecycle controller removes once the kubelet reports Ready (admission plugin TaintNodesByCondition,
+    plugin/pkg/admission/nodetaint/admission.go). The fake runs no such controller: whoever creates a node through
+    the API takes the taint off, as tests/integration/check_cluster.py does."""
+    node = copy.deepcopy(node)
+    taints = node.setdefault("spec", {}).setdefault("taints", [])
+    if not any(t.get("key") == NOT_READY["key"] and t.get("effect") == NOT_READY["effect"] for t in taints):
+        taints.append(dict(NOT_READY))
+    return node
 
 
 def _seconds(value: Any) -> int | None:

@@ -3,8 +3,13 @@ is sent on to ``http://{status.podIP}:{port}/{path}`` and its answer handed back
 
 As the real one (pkg/registry/core/pod/strategy.go ``ResourceLocation``, k8s.io/apimachinery util/proxy
 ``upgradeaware.go``): the port defaults to the pod's first container port; a pod without an IP is a 503; a pod that
-does not answer is a 503 ``error trying to reach service: <the dial error>``. Unlike the real one it proxies to
-loopback addresses only: the tests give their pods 127.0.0.1, and nothing else is ever reached from a test.
+does not answer is a 503 ``error trying to reach service: <the dial error>``; a link-local or multicast pod IP is a
+400 ``address not allowed`` (pkg/proxy/util ``IsProxyableIP``).
+
+Where it must differ: the real server refuses loopback pod IPs too (400 ``address not allowed``, seen on
+kube-apiserver 1.36), and loopback is the only address a test may reach. So the fake proxies to loopback pod IPs
+only, and refuses every other address it would accept (503): a test against the real server needs its pods'
+servers on an address of a network namespace of its own.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ async def proxy(request: web.Request, target: Target, store: Store) -> web.Strea
     address = str((pod.get("status") or {}).get("podIP") or "")
     if not address:
         raise _unavailable(f"address not allowed: pod {name} has no IP")
-    if not ipaddress.ip_address(address).is_loopback:
+    ip = ipaddress.ip_address(address)
+    if ip.is_link_local or ip.is_multicast or ip.is_unspecified:
+        raise KubeError(400, "BadRequest", "address not allowed")
+    if not ip.is_loopback:
         raise _unavailable(f"the fake proxies to loopback addresses only, not {address}")
     url = f"http://{address}:{_port(pod, asked)}{target.rest}"
     try:

@@ -83,7 +83,10 @@ class Builder:
         if cache:
             labels["spotdrain.io/model-cache"] = cache
         node_taints = list(taints or ([{"key": "nvidia.com/gpu", "effect": "NoSchedule"}] if gpu else []))
-        return await self.create("Node", name, metadata={"labels": labels}, spec={"taints": node_taints})
+        await self.create("Node", name, metadata={"labels": labels}, spec={"taints": node_taints})
+        # The API server adds node.kubernetes.io/not-ready:NoSchedule to a new Node; the node lifecycle controller
+        # takes it off once the kubelet reports Ready. No kubelet runs here: the builder takes it off.
+        return await self.patch("Node", name, {"spec": {"taints": node_taints or None}})
 
     async def pod(
         self,
@@ -222,6 +225,9 @@ async def _webhook(build: Builder) -> None:
         "admissionReviewVersions": ["v1"],
         "sideEffects": "None",
         "failurePolicy": "Ignore",
+        # A real API server calls the webhook for every pod created in a labelled namespace, and no webhook runs
+        # here: each such creation waits this long, then goes on without it (failurePolicy: Ignore).
+        "timeoutSeconds": 1,
         "clientConfig": {
             "service": {"name": "spotdrain-webhook", "namespace": "spotdrain", "path": "/mutate", "port": 443},
             "caBundle": ca_bundle(),

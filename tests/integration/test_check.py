@@ -3,7 +3,9 @@ found, named, and given its fix.
 
 Every test builds its cluster through the API (``tests/integration/check_cluster.py``) and reads it back with the
 real kubeconfig loader and client, so the ``api`` fixture is the one place that says which server runs: the fake
-here. Those that steer the server itself (a token without a permission, faults) say so with ``fake_only``.
+here. Those that steer the server itself (a token without a permission, faults) say so with ``fake_only``. Given an
+``Api`` whose kubeconfig is a real kube-apiserver's admin (one fresh server per test: each builds the same objects),
+every other test passes there too; that was run by hand against kube-apiserver 1.36 from ../shared/kube.
 """
 
 from __future__ import annotations

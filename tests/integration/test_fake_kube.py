@@ -323,7 +323,7 @@ async def test_a_pods_proxy_sends_the_path_and_query_on_and_refuses_what_is_not_
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        for name, address in (("here", "127.0.0.1"), ("elsewhere", "10.1.2.3")):
+        for name, address in (("here", "127.0.0.1"), ("elsewhere", "10.1.2.3"), ("linklocal", "169.254.169.254")):
             pod = kube.add_pod("spotdrain", name, node="n1")
             pod["status"]["podIP"] = address
             kube.store.update(PODS, pod)
@@ -336,5 +336,23 @@ async def test_a_pods_proxy_sends_the_path_and_query_on_and_refuses_what_is_not_
             with pytest.raises(ApiError, match="loopback addresses only") as refused:
                 await call(session, cluster, "GET", f"/api/v1/namespaces/spotdrain/pods/elsewhere:{port}/proxy/")
             assert refused.value.status == 503
+            with pytest.raises(ApiError, match="address not allowed") as refused:
+                await call(session, cluster, "GET", f"/api/v1/namespaces/spotdrain/pods/linklocal:{port}/proxy/")
+            assert refused.value.status == 400
     finally:
         await runner.cleanup()
+
+
+async def test_a_node_created_through_the_api_is_not_ready_until_its_taint_is_taken_off(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    from spotdrain.kube_rest import call
+
+    cluster = InCluster.from_environment(kube.serviceaccount_dir(tmp_path / "sa"), kube.service_env())
+    body = {"metadata": {"name": "n3"}, "spec": {"taints": [{"key": "gpu", "effect": "NoSchedule"}]}}
+    async with aiohttp.ClientSession() as session:
+        created = await call(session, cluster, "POST", "/api/v1/nodes", body)
+    assert created["spec"]["taints"] == [
+        {"key": "gpu", "effect": "NoSchedule"},
+        {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"},
+    ]
