@@ -7,7 +7,8 @@ and tuned, and one measured run of any of them.
   defaults are 4 transfers and 4 streams per file above 256 MiB);
 - ``aws s3 cp --recursive``: tuned through its config file, ``max_concurrent_requests`` N per file and 16 MB parts
   (the defaults are 10 requests in all and 8 MB parts);
-- ``spotdrain cache fetch``, run from this checkout: tuned with ``--concurrency N``.
+- ``spotdrain cache fetch``, run from this checkout: tuned with ``--concurrency`` N per file (the default is 32
+  ranged requests in all).
 
 A tool that is not installed, or (ours) a checkout without ``spotdrain cache fetch``, is a ``Missing`` with the reason.
 """
@@ -218,7 +219,7 @@ def ours_missing() -> str | None:
     return None
 
 
-def _ours(server: Server, dest: Path, tuned: int | None) -> list[Way] | Missing:
+def _ours(server: Server, dest: Path, tuned: int | None, files: int) -> list[Way] | Missing:
     why = ours_missing()
     if why is not None:
         return Missing("spotdrain", "", why)
@@ -230,7 +231,7 @@ def _ours(server: Server, dest: Path, tuned: int | None) -> list[Way] | Missing:
     warm = [sys.executable, "-m", "spotdrain.cli", "cache", "fetch", "--help"]
     ways = [Way("spotdrain", "default", "", argv, copied, cache, env, warm)]
     if tuned is not None:
-        flags = ["--concurrency", str(tuned)]
+        flags = ["--concurrency", str(tuned * files)]  # across the files, as aws s3 cp's requests are
         ways.append(Way("spotdrain", "tuned", " ".join(flags), [*argv, *flags], copied, cache, env, warm))
     return ways
 
@@ -286,7 +287,7 @@ def ways(server: Server, dest: Path, *, files: int, tuned: int | None, kubeconfi
         _s5cmd(server, dest, tuned),
         _rclone(server, dest, tuned, files),
         _aws(server, dest, tuned, files),
-        _ours(server, dest, tuned),
+        _ours(server, dest, tuned, files),
         _prefetch(server, dest, kubeconfig),
     ):
         if isinstance(each, Missing):
