@@ -158,7 +158,13 @@ async def read_cluster(reader: Reader, scope: Scope, *, now: datetime) -> Snapsh
 
 
 async def _read_all(reader: Reader, reads: list[Read], snapshot: Snapshot) -> Snapshot:
-    results = await asyncio.gather(*(attempt(reader.items, read) for read in reads))
+    """The reads at once; the first Unreachable cancels the others and is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(attempt(reader.items, read)) for read in reads]
+    except* Unreachable as failed:
+        raise failed.exceptions[0] from None
+    results = [task.result() for task in tasks]
     changes: dict[str, Any] = {}
     unread = list(snapshot.unread)
     for read, result in zip(reads, results, strict=True):
