@@ -1,0 +1,371 @@
+"""The I/O under ``tests.real_kube``: the administrator's synchronous client, the recording proxy clients go
+through, and the kubelet's two duties the tests rely on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import re
+import ssl
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+from aiohttp import web
+
+from simulate.fakes import kube_objects
+from simulate.fakes.kube import Call
+from simulate.fakes.kube_api import DeleteHook, Deletion
+from simulate.fakes.kube_resources import route
+from simulate.fakes.processes import free_port
+from simulate.fakes.tls import server_ssl_context, write_tls_files
+from spotdrain.clock import utcnow
+from tests.control_plane import ControlPlane
+
+Obj = dict[str, Any]
+TIMEOUT_S = 10.0
+# What a test's service account may be granted (``Admin.service_account_token``): every resource the programs use.
+GRANTABLE = {
+    "": ("nodes", "pods", "pods/status", "pods/eviction", "events", "services"),
+    "events.k8s.io": ("events",),
+    "discovery.k8s.io": ("endpointslices",),
+    "policy": ("poddisruptionbudgets",),
+}
+VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
+TEST_LABEL = "spotdrain.io/test-fixture"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: Obj) -> None:
+        super().__init__(f"{status}: {body.get('message', body)}")
+        self.status = status
+        self.body = body
+
+
+class Admin:
+    """Synchronous requests as the cluster's administrator: seeding and reading, never recorded as a call."""
+
+    def __init__(self, url: str, ca_path: Path, token: str) -> None:
+        self.client = httpx.Client(
+            base_url=url, verify=ssl.create_default_context(cafile=str(ca_path)), timeout=TIMEOUT_S,
+            headers={"Authorization": f"Bearer {token}"},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.client.close()
+
+    def request(self, method: str, path: str, body: Obj | None = None, *, content_type: str | None = None) -> Obj:
+        headers = {"Content-Type": content_type} if content_type else {}
+        content = json.dumps(body).encode() if body is not None else None
+        answer = self.client.request(method, path, content=content, headers=headers)
+        parsed: Obj = answer.json() if answer.content else {}
+        if answer.status_code >= 400:
+            raise ApiError(answer.status_code, parsed)
+        return parsed
+
+    def create(self, path: str, body: Obj) -> Obj:
+        return self.request("POST", path, body, content_type="application/json")
+
+    def replace(self, path: str, body: Obj) -> Obj:
+        return self.request("PUT", path, body, content_type="application/json")
+
+    def patch(self, path: str, body: Obj) -> Obj:
+        return self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+    def delete(self, path: str) -> Obj:
+        return self.request("DELETE", path)
+
+    def find(self, path: str) -> Obj | None:
+        try:
+            return self.request("GET", path)
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def items(self, path: str) -> list[Obj]:
+        items: list[Obj] = self.request("GET", path)["items"]
+        return items
+
+    def wait_for(self, path: str, check: Callable[[Obj], bool], *, timeout_s: float = TIMEOUT_S) -> Obj:
+        give_up = time.monotonic() + timeout_s
+        while True:
+            found = self.find(path)
+            if found is not None and check(found):
+                return found
+            if time.monotonic() > give_up:
+                raise TimeoutError(f"{path} did not become as expected within {timeout_s} s: {found}")
+            time.sleep(0.05)
+
+    def ensure_namespace(self, name: str) -> None:
+        with contextlib.suppress(ApiError):
+            self.create("/api/v1/namespaces", {"metadata": {"name": name}})
+
+    def wipe(self, namespaces: Iterable[str]) -> None:
+        """Delete what tests make: pods at once (no kubelet would), budgets, events, slices, services, nodes, and
+        the service accounts and roles of ``service_account_token``."""
+        for namespace in namespaces:
+            base = f"/api/v1/namespaces/{namespace}"
+            self.delete(f"{base}/pods?gracePeriodSeconds=0")
+            self.delete(f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets")
+            self.delete(f"{base}/events")
+            self.delete(f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices")
+            for service in self.items(f"{base}/services"):
+                if service["metadata"]["name"] != "kubernetes":
+                    self.delete(f"{base}/services/{service['metadata']['name']}")
+            self.delete(f"{base}/serviceaccounts?labelSelector={TEST_LABEL}")
+        self.delete("/api/v1/nodes")
+        rbac = "/apis/rbac.authorization.k8s.io/v1"
+        self.delete(f"{rbac}/clusterrolebindings?labelSelector={TEST_LABEL}")
+        self.delete(f"{rbac}/clusterroles?labelSelector={TEST_LABEL}")
+
+    def service_account_token(self, user: str, *, denied: frozenset[tuple[str, str]]) -> str:
+        """A token of ``system:serviceaccount:<namespace>:<name>``, allowed every verb of ``GRANTABLE`` but
+        ``denied`` through a ClusterRole of its own: RBAC only adds, so a denial is a verb left out."""
+        namespace, name = user.removeprefix("system:serviceaccount:").split(":")
+        labels = {TEST_LABEL: "true"}
+        self.ensure_namespace(namespace)
+        with contextlib.suppress(ApiError):
+            self.create(
+                f"/api/v1/namespaces/{namespace}/serviceaccounts", {"metadata": {"name": name, "labels": labels}}
+            )
+        role = f"test-{namespace}-{name}"
+        rules = [
+            {"apiGroups": [group], "resources": [resource], "verbs": [v for v in VERBS if (v, resource) not in denied]}
+            for group, resources in GRANTABLE.items()
+            for resource in resources
+        ]
+        rbac = "/apis/rbac.authorization.k8s.io/v1"
+        self.create(f"{rbac}/clusterroles", {"metadata": {"name": role, "labels": labels}, "rules": rules})
+        subject = {"kind": "ServiceAccount", "name": name, "namespace": namespace}
+        binding = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role}
+        meta = {"name": role, "labels": labels}
+        self.create(f"{rbac}/clusterrolebindings", {"metadata": meta, "roleRef": binding, "subjects": [subject]})
+        return self.token_for(namespace, name)
+
+    def token_for(self, namespace: str, name: str, *, pod: Obj | None = None) -> str:
+        """A TokenRequest for the service account, bound to ``pod`` when given (as a projected volume's is)."""
+        spec: Obj = {"expirationSeconds": 3600}
+        if pod is not None:
+            spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": pod["metadata"]["name"],
+                                      "uid": pod["metadata"]["uid"]}  # fmt: skip
+        path = f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token"
+        token: str = self.create(path, {"spec": spec})["status"]["token"]
+        return token
+
+
+@dataclass
+class _Fault:
+    method: str
+    path: re.Pattern[str]
+    status: int
+    remaining: int
+    retry_after_s: float | None
+    message: str
+
+
+class RecordingProxy:
+    """HTTPS on 127.0.0.1 forwarding to the API server, recording each request as ``FakeKube.calls`` does."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+        self.calls: list[Call] = []
+        self.port = free_port()
+        self._faults: list[_Fault] = []
+        self._temp = tempfile.TemporaryDirectory(prefix="spotdrain-proxy-")
+        self._tls = write_tls_files(Path(self._temp.name))
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    @property
+    def ca_path(self) -> Path:
+        return self._tls.ca_path
+
+    async def start(self) -> None:
+        context = ssl.create_default_context(cafile=str(self.plane.ca_path))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context))
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=server_ssl_context(self._tls)).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await asyncio.shield(self._runner.cleanup())
+        if self._session is not None:
+            await self._session.close()
+        self._temp.cleanup()
+
+    def fail_next(
+        self,
+        method: str,
+        path: re.Pattern[str],
+        status: int,
+        count: int,
+        retry_after: float | None,
+        message: str | None,
+    ) -> None:
+        text = message or f"injected failure: {status}"
+        self._faults.append(_Fault(method.upper(), path, status, count, retry_after, text))
+
+    def saw_eviction(self, namespace: str, name: str) -> bool:
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}/eviction"
+        return any(c.method == "POST" and c.path == path for c in self.calls)
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
+        target = route(request.path)
+        self.calls.append(Call(request.method, request.path, target.pattern if target else request.path,
+                               dict(request.query)))  # fmt: skip
+        if (fault := self._take_fault(request)) is not None:
+            return _fault_response(fault)
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k in ("Authorization", "Content-Type", "Accept")}
+        async with self._session.request(
+            request.method,
+            self.plane.url + request.path_qs,
+            data=await request.read(),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=None, connect=TIMEOUT_S),
+        ) as upstream:
+            response = web.StreamResponse(status=upstream.status)
+            for name in ("Content-Type", "Retry-After"):
+                if name in upstream.headers:
+                    response.headers[name] = upstream.headers[name]
+            await response.prepare(request)
+            with contextlib.suppress(aiohttp.ClientError, ConnectionResetError):
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            return response
+
+    def _take_fault(self, request: web.Request) -> _Fault | None:
+        for fault in self._faults:
+            if fault.remaining > 0 and fault.method in ("*", request.method) and fault.path.search(request.path):
+                fault.remaining -= 1
+                return fault
+        return None
+
+
+def _fault_response(fault: _Fault) -> web.Response:
+    reasons = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable"}
+    body: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": fault.message,
+                 "reason": reasons.get(fault.status, "Unknown"), "code": fault.status}  # fmt: skip
+    headers = {}
+    if fault.retry_after_s is not None:
+        body["details"] = {"retryAfterSeconds": round(fault.retry_after_s)}
+        headers["Retry-After"] = str(round(fault.retry_after_s))
+    return web.json_response(body, status=fault.status, headers=headers)
+
+
+class Kubelet:
+    """Watches every pod: finishes a graceful deletion once its grace period has passed (or a deletion hook
+    removed it sooner), and writes the Ready condition a pod's readiness gates give it."""
+
+    def __init__(self, plane: ControlPlane, proxy: RecordingProxy) -> None:
+        self.plane = plane
+        self.proxy = proxy
+        self.hooks: list[DeleteHook] = []
+        self.deletions: list[Deletion] = []
+        self._graces: dict[tuple[str, str], int] = {}
+        self.removing: set[tuple[str, str]] = set()  # its own immediate deletions: not a deletion a client began
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._watching: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        context = ssl.create_default_context(cafile=str(self.plane.ca_path))
+        headers = {"Authorization": f"Bearer {self.plane.admin_token}"}
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context), headers=headers)
+        listed = await self._get("/api/v1/pods")
+        self._watching = asyncio.create_task(self._watch(listed["metadata"]["resourceVersion"]))
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *([self._watching] if self._watching else [])]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *([self._watching] if self._watching else []), return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _get(self, path: str) -> Obj:
+        assert self._session is not None
+        async with self._session.get(self.plane.url + path, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as got:
+            answer: Obj = await got.json()
+            return answer
+
+    async def _watch(self, version: str) -> None:
+        """Returns only when cancelled: the watch is resumed from the last version it saw."""
+        assert self._session is not None
+        while True:
+            url = f"{self.plane.url}/api/v1/pods?watch=1&allowWatchBookmarks=true&resourceVersion={version}"
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as stream:
+                    async for line in stream.content:
+                        event = json.loads(line)
+                        version = event["object"]["metadata"].get("resourceVersion", version)
+                        if event["type"] in ("ADDED", "MODIFIED"):
+                            await self._saw(event["object"])
+            await asyncio.sleep(0.1)
+
+    async def _saw(self, pod: Obj) -> None:
+        meta = pod["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if meta.get("deletionTimestamp") and key not in self.removing:
+            grace = int(meta.get("deletionGracePeriodSeconds") or 0)
+            if grace < self._graces.get(key, grace + 1):
+                self._graces[key] = grace
+                self._begin(pod, grace)
+        elif pod["spec"].get("readinessGates"):
+            ready = kube_objects.ready_condition(pod)
+            now: Obj = next((c for c in pod["status"].get("conditions", []) if c["type"] == "Ready"), {})
+            if now.get("status") != ready["status"]:
+                self._spawn(self._write_ready(pod))
+
+    def _begin(self, pod: Obj, grace: int) -> None:
+        namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        self.deletions.append(Deletion(namespace, name, grace, self.proxy.saw_eviction(namespace, name)))
+        for hook in self.hooks:
+            result = hook(pod, grace)
+            if inspect.isawaitable(result):
+                self._spawn(_awaited(result))
+        self._spawn(self._remove_after(namespace, name, grace, pod["metadata"]["uid"]))
+
+    async def _remove_after(self, namespace: str, name: str, grace: int, uid: str) -> None:
+        await asyncio.sleep(grace)
+        if self._graces.get((namespace, name)) != grace:
+            return  # shortened since: a newer timer removes it
+        self.removing.add((namespace, name))
+        assert self._session is not None
+        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+        with contextlib.suppress(aiohttp.ClientError):
+            path = f"{self.plane.url}/api/v1/namespaces/{namespace}/pods/{name}"
+            async with self._session.delete(path, json=body, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)):
+                pass
+
+    async def _write_ready(self, pod: Obj) -> None:
+        assert self._session is not None
+        meta = pod["metadata"]
+        changed = kube_objects.with_ready_condition(pod, now=utcnow())
+        path = f"{self.plane.url}/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
+        with contextlib.suppress(aiohttp.ClientError):  # a conflict: the newer version's event comes next
+            async with self._session.put(path, json=changed, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)):
+                pass
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def _awaited(result: Awaitable[Any]) -> None:
+    await result
