@@ -92,6 +92,11 @@ class RealKube:
         agent and sidecar use, less each (verb, resource) of ``denied``."""
         return self.admin.service_account_token(user, denied=frozenset(denied))
 
+    def apply_and_token(self, objects: Iterable[Obj], namespace: str, name: str, *, pod: Obj | None = None) -> str:
+        """Create ``objects`` (the RBAC of a rendered manifest) and the service account ``namespace/name``; a token
+        of that account (bound to ``pod`` when given), which may do exactly what they grant."""
+        return self.admin.apply_and_token(objects, namespace, name, pod=pod)
+
     # Steering --------------------------------------------------------------------------------------------------------
 
     def fail_next(
@@ -137,6 +142,13 @@ class RealKube:
         self.admin.replace(f"/api/v1/nodes/{name}/status", {**made, "status": node["status"]})
         kept = [t for t in self.node(name)["spec"].get("taints") or [] if t in node["spec"].get("taints", [])]
         return self.admin.patch(f"/api/v1/nodes/{name}", {"spec": {"taints": kept or None}})
+
+    def replace_node(self, name: str, *, provider_id: str) -> Obj:
+        """A new instance joins under the name of one that went (``Cluster.replace_node``)."""
+        self.admin.delete(f"/api/v1/nodes/{name}")
+        for pod in self.pods(node=name):
+            self.remove_pod(pod["metadata"]["namespace"], pod["metadata"]["name"])
+        return self.add_node(name, provider_id=provider_id)
 
     def add_pod(
         self,
@@ -208,6 +220,19 @@ class RealKube:
             return None
         changed = kube_objects.with_containers_ready(pod, ready, now=utcnow())
         return self.admin.replace(f"/api/v1/namespaces/{namespace}/pods/{name}/status", changed)
+
+    def set_endpoints(
+        self, namespace: str, service: str, endpoints: Sequence[tuple[str, int, bool]], *, nodes: Sequence[str] = ()
+    ) -> None:
+        """Write the Service's EndpointSlices as ``FakeKube.set_endpoints`` does (unlabelled by a managing
+        controller, so the EndpointSlice controller leaves them alone)."""
+        path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+        for slice_ in kube_objects.endpoint_slices(namespace, service, endpoints, nodes=nodes):
+            name = slice_["metadata"]["name"]
+            if (found := self.admin.find(f"{path}/{name}")) is None:
+                self.admin.create(path, slice_)
+            else:
+                self.admin.replace(f"{path}/{name}", {**found, "endpoints": slice_["endpoints"]})
 
     def annotate_node(self, name: str, annotations: Mapping[str, str]) -> Obj:
         return self.admin.patch(f"/api/v1/nodes/{name}", {"metadata": {"annotations": dict(annotations)}})

@@ -38,6 +38,24 @@ GRANTABLE = {
     "discovery.k8s.io": ("endpointslices",),
     "policy": ("poddisruptionbudgets",),
 }
+PLURALS = {
+    "ClusterRole": "clusterroles",
+    "ClusterRoleBinding": "clusterrolebindings",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "ServiceAccount": "serviceaccounts",
+    "Namespace": "namespaces",
+    "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
+    "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
+    "ValidatingWebhookConfiguration": "validatingwebhookconfigurations",
+}
+CLUSTER_SCOPED_APPLIED = (
+    "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+    "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+    "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
+    "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+    "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations",
+)
 VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 TEST_LABEL = "spotdrain.io/test-fixture"
 
@@ -121,10 +139,13 @@ class Admin:
                 if service["metadata"]["name"] != "kubernetes":
                     self.delete(f"{base}/services/{service['metadata']['name']}")
             self.delete(f"{base}/serviceaccounts?labelSelector={TEST_LABEL}")
+            for kind in ("roles", "rolebindings"):
+                self.delete(
+                    f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/{kind}?labelSelector={TEST_LABEL}"
+                )
         self.delete("/api/v1/nodes")
-        rbac = "/apis/rbac.authorization.k8s.io/v1"
-        self.delete(f"{rbac}/clusterrolebindings?labelSelector={TEST_LABEL}")
-        self.delete(f"{rbac}/clusterroles?labelSelector={TEST_LABEL}")
+        for path in CLUSTER_SCOPED_APPLIED:
+            self.delete(f"{path}?labelSelector={TEST_LABEL}")
 
     def service_account_token(self, user: str, *, denied: frozenset[tuple[str, str]]) -> str:
         """A token of ``system:serviceaccount:<namespace>:<name>``, allowed every verb of ``GRANTABLE`` but
@@ -149,6 +170,31 @@ class Admin:
         meta = {"name": role, "labels": labels}
         self.create(f"{rbac}/clusterrolebindings", {"metadata": meta, "roleRef": binding, "subjects": [subject]})
         return self.token_for(namespace, name)
+
+    def apply_and_token(self, objects: Iterable[Obj], namespace: str, name: str, *, pod: Obj | None = None) -> str:
+        for obj in objects:
+            self.apply(obj)
+        self.ensure_namespace(namespace)
+        account = {"metadata": {"name": name, "labels": {TEST_LABEL: "true"}}}
+        with contextlib.suppress(ApiError):
+            self.create(f"/api/v1/namespaces/{namespace}/serviceaccounts", account)
+        return self.token_for(namespace, name, pod=pod)
+
+    def apply(self, obj: Obj) -> Obj:
+        """Create ``obj`` (RBAC, admission and namespaces: what the tests apply from manifests), labelled so that
+        ``wipe`` deletes it; one already there is replaced."""
+        group, _, version = obj["apiVersion"].rpartition("/")
+        base = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        meta = obj["metadata"]
+        if namespace := meta.get("namespace"):
+            self.ensure_namespace(namespace)
+            base += f"/namespaces/{namespace}"
+        path = f"{base}/{PLURALS[obj['kind']]}"
+        labelled = {**obj, "metadata": {**meta, "labels": {**meta.get("labels", {}), TEST_LABEL: "true"}}}
+        if (found := self.find(f"{path}/{meta['name']}")) is None:
+            return self.create(path, labelled)
+        labelled["metadata"]["resourceVersion"] = found["metadata"]["resourceVersion"]
+        return self.replace(f"{path}/{meta['name']}", labelled)
 
     def token_for(self, namespace: str, name: str, *, pod: Obj | None = None) -> str:
         """A TokenRequest for the service account, bound to ``pod`` when given (as a projected volume's is)."""
@@ -177,6 +223,7 @@ class RecordingProxy:
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
         self.calls: list[Call] = []
+        self.open_watches = 0  # watches the API server has answered and not yet ended
         self.port = free_port()
         self._faults: list[_Fault] = []
         self._temp = tempfile.TemporaryDirectory(prefix="spotdrain-proxy-")
@@ -244,9 +291,14 @@ class RecordingProxy:
                 if name in upstream.headers:
                     response.headers[name] = upstream.headers[name]
             await response.prepare(request)
-            with contextlib.suppress(aiohttp.ClientError, ConnectionResetError):
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+            watch = request.query.get("watch") in ("1", "true")
+            self.open_watches += watch
+            try:
+                with contextlib.suppress(aiohttp.ClientError, ConnectionResetError):
+                    async for chunk in upstream.content.iter_any():
+                        await response.write(chunk)
+            finally:
+                self.open_watches -= watch
             return response
 
     def _take_fault(self, request: web.Request) -> _Fault | None:
