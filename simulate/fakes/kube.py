@@ -32,7 +32,7 @@ from simulate.fakes.faults import Faults
 from simulate.fakes.kube_api import Api, DeleteHook, Deletion
 from simulate.fakes.kube_auth import Accounts
 from simulate.fakes.kube_cluster import Cluster
-from simulate.fakes.kube_resources import route
+from simulate.fakes.kube_resources import REVIEWS, route
 from simulate.fakes.kube_select import KubeError, bad_request, flag
 from simulate.fakes.kube_store import Store
 from simulate.fakes.kube_watch import BOOKMARK_EVERY_S, Watches
@@ -231,6 +231,8 @@ class FakeKube(Cluster):
             if request.method == "GET" and target.name is None and flag(request.query, "watch"):
                 return await self.watches.serve(request, target, request.query)
             body = await _body(request) if request.method in ("POST", "PUT", "PATCH", "DELETE") else None
+            if target.resource in REVIEWS and request.method == "POST":
+                return web.json_response(self.accounts.review(account, target, body), status=201)
             status, answer = self.api.serve(
                 request.method, target, query=request.query, content_type=request.content_type, body=body
             )

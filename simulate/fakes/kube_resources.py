@@ -103,9 +103,27 @@ MUTATING_WEBHOOKS = Resource(
     has_status=False,
     fields=frozenset({"metadata.name"}),
 )
+# Create-only and never stored (k8s.io/api/authentication/v1): the answer says who a token is.
+TOKEN_REVIEWS = Resource(
+    group_version="authentication.k8s.io/v1",
+    plural="tokenreviews",
+    kind="TokenReview",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset(),
+)
+SELF_SUBJECT_REVIEWS = Resource(
+    group_version="authentication.k8s.io/v1",
+    plural="selfsubjectreviews",
+    kind="SelfSubjectReview",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset(),
+)
+REVIEWS = frozenset({TOKEN_REVIEWS, SELF_SUBJECT_REVIEWS})
 RESOURCES = {
     (r.group_version, r.plural): r
-    for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES, SECRETS, MUTATING_WEBHOOKS)
+    for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES, SECRETS, MUTATING_WEBHOOKS, *REVIEWS)
 }
 SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
 
