@@ -151,8 +151,11 @@ async def any_kube(request: pytest.FixtureRequest) -> AsyncIterator[Kube]:
 
 
 @asynccontextmanager
-async def node_agent(kube: Kube, kubeconfig: Path, *flags: str, stop_within_s: float = 15) -> AsyncIterator[int]:
-    """``spotdrain node`` in this loop, on loopback ports, with ``flags``; yields its notice port.
+async def node_agent(
+    kube: Kube, kubeconfig: Path, *flags: str, stop_within_s: float = 15, token: str | None = None
+) -> AsyncIterator[int]:
+    """``spotdrain node`` in this loop, on loopback ports, with ``flags`` and ``token`` (default: one that may do
+    anything); yields its notice port.
 
     Leaving the block sends this process SIGTERM, which the agent's handler turns into its own shutdown.
     """
@@ -161,7 +164,7 @@ async def node_agent(kube: Kube, kubeconfig: Path, *flags: str, stop_within_s: f
     from spotdrain.cli import build_parser
 
     notice_port = free_port()
-    argv = ["node", "--kubeconfig", str(kube.write_kubeconfig(kubeconfig)), "--host", "127.0.0.1"]
+    argv = ["node", "--kubeconfig", str(kube.write_kubeconfig(kubeconfig, token=token)), "--host", "127.0.0.1"]
     argv += ["--metrics-port", str(free_port()), "--notice-port", str(notice_port), "--eviction-delay", "0.1", *flags]
     ready = asyncio.Event()
     task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))

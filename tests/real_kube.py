@@ -164,8 +164,10 @@ class RealKube:
         grace_period_s: int = 30,
         annotations: Mapping[str, str] | None = None,
         readiness_gates: Sequence[str] = (),
+        service_account: str = "default",
     ) -> Obj:
-        """Create the pod bound to ``node`` and write the status its kubelet would report."""
+        """Create the pod bound to ``node`` (running as ``service_account``) and write the status its kubelet would
+        report."""
         found = self.admin.find(f"/api/v1/nodes/{node}")
         pod = kube_objects.pod(
             namespace,
@@ -182,6 +184,7 @@ class RealKube:
             readiness_gates=readiness_gates,
             now=utcnow(),
         )
+        pod["spec"]["serviceAccountName"] = service_account
         status = pod.pop("status")
         status["podIP"] = status["hostIP"] = "127.0.0.1"
         made = self.admin.create(f"/api/v1/namespaces/{namespace}/pods", _creatable(pod))

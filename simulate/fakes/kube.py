@@ -151,13 +151,14 @@ class FakeKube(Cluster):
             raise RuntimeError("the fake API server has not started")
         return self._tls.ca_path
 
-    def write_kubeconfig(self, path: Path, *, namespace: str = "default") -> Path:
-        """A kubeconfig (JSON, which YAML readers take) with the server, its CA file and the token."""
+    def write_kubeconfig(self, path: Path, *, namespace: str = "default", token: str | None = None) -> Path:
+        """A kubeconfig (JSON, which YAML readers take) with the server, its CA file and ``token`` (default: one
+        that may do anything)."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "fake", "cluster": {"server": self.url, "certificate-authority": str(self.ca_path)}}],
-            "users": [{"name": "fake", "user": {"token": self.token}}],
+            "users": [{"name": "fake", "user": {"token": token or self.token}}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
             "current-context": "fake",
         }
