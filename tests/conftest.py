@@ -150,6 +150,18 @@ async def any_kube(request: pytest.FixtureRequest) -> AsyncIterator[Kube]:
             yield real
 
 
+RBAC_KINDS = frozenset({"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+
+
+def granted_token(kube: Kube, objects: list[dict[str, object]], namespace: str, account: str) -> str | None:
+    """On the real API server, a token of ``namespace/account`` that may do exactly what the RBAC among
+    ``objects`` (a rendered manifest) grants it; on the fake, None (its token may do anything, and the test compares
+    the calls it recorded with the grants instead)."""
+    if isinstance(kube, FakeKube):
+        return None
+    return kube.apply_and_token([o for o in objects if o["kind"] in RBAC_KINDS], namespace, account)
+
+
 @asynccontextmanager
 async def node_agent(
     kube: Kube, kubeconfig: Path, *flags: str, stop_within_s: float = 15, token: str | None = None

@@ -22,8 +22,10 @@ from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.processes import free_port, status_of
 from spotdrain.cli import build_parser
 from spotdrain.clock import rfc3339, utcnow
-from tests.conftest import Kube, node_agent, until
+from tests.conftest import Kube, granted_token, node_agent, until
+from tests.control_plane import ControlPlane
 from tests.deploy.manifests import grants, needed, render
+from tests.real_kube import RealKube
 
 INSTANCE = "i-0123456789abcdef0"
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
@@ -53,10 +55,12 @@ def containers_exit_soon(kube: Kube) -> Callable[[dict[str, Any], int], Awaitabl
     return exit_soon
 
 
-def agent(kube: Kube, imds_url: str, tmp_path: Path, *flags: str) -> AbstractAsyncContextManager[int]:
+def agent(
+    kube: Kube, imds_url: str, tmp_path: Path, *flags: str, token: str | None = None
+) -> AbstractAsyncContextManager[int]:
     """The node agent in IMDS mode for gpu-1, polling the fake IMDS every 0.1 s; yields its notice port."""
     imds = ("--node-name", "gpu-1", "--imds-url", imds_url, "--imds-interval", "0.1")
-    return node_agent(kube, tmp_path / "kubeconfig", *imds, *flags, stop_within_s=10)
+    return node_agent(kube, tmp_path / "kubeconfig", *imds, *flags, stop_within_s=10, token=token)
 
 
 def cordoned(kube: Kube) -> bool:
@@ -227,11 +231,13 @@ async def test_a_failed_model_cache_keeps_its_startup_taint_and_notices_are_stil
 async def test_imds_mode_calls_exactly_what_its_account_is_granted(
     kube: Kube, tmp_path: Path, flags: tuple[str, ...], directory: str
 ) -> None:
-    granted = grants(render(directory), "spotdrain", "spotdrain-node")
+    rendered = render(directory)
+    granted = grants(rendered, "spotdrain", "spotdrain-node")
+    token = granted_token(kube, rendered, "spotdrain", "spotdrain-node")  # the real server: exactly these grants
     imds = FakeImds(instance_id=INSTANCE)
     event_id = imds.add_maintenance(not_before=utcnow() + timedelta(hours=1))
     with capture_logs() as logs:
-        async with serving(imds) as url, agent(kube, url, tmp_path, *flags):
+        async with serving(imds) as url, agent(kube, url, tmp_path, *flags, token=token):
             await until(lambda: cordoned(kube) and len(kube.events()) == 1)
             await until(lambda: "--no-evict" in flags or any(e["event"] == "node.drained" for e in logs))
             imds.set_maintenance_state(event_id, "canceled")
@@ -261,3 +267,54 @@ async def test_outside_a_cluster_without_a_kubeconfig_the_agent_uses_the_home_on
             assert await asyncio.wait_for(task, 10) == 0
     configured = [(e["source"], e["kubeconfig"], e["server"]) for e in logs if e["event"] == "api.configured"]
     assert configured == [("home", str(kubeconfig), kube.url)]
+
+
+def without(objects: list[dict[str, Any]], grant: tuple[str, str, str, str | None]) -> list[dict[str, Any]]:
+    """``objects`` with ``grant``'s verb taken out of the rule that gives it (a rule left with none goes: the API
+    server refuses a rule without verbs)."""
+    group, resource, verb, _ = grant
+    changed = []
+    for obj in objects:
+        if obj["kind"] in ("ClusterRole", "Role"):
+            rules = [
+                {**rule, "verbs": [v for v in rule["verbs"] if v != verb]}
+                if group in rule["apiGroups"] and resource in rule["resources"]
+                else rule
+                for rule in obj["rules"]
+            ]
+            obj = {**obj, "rules": [rule for rule in rules if rule["verbs"]]}
+        changed.append(obj)
+    return changed
+
+
+# What daemonset/imds-mode grants the agent (checked against the rendering below; a literal so that collecting
+# this module needs no kubectl).
+DAEMONSET_GRANTS = [
+    ("", "events", "create", "default"),
+    ("", "nodes", "get", None),
+    ("", "nodes", "patch", None),
+    ("", "pods", "list", None),
+    ("", "pods/eviction", "create", None),
+]
+
+
+@pytest.mark.parametrize("grant", DAEMONSET_GRANTS, ids=["/".join(g[1:3]) for g in DAEMONSET_GRANTS])
+async def test_one_verb_less_than_the_daemonset_is_granted_is_refused_by_the_real_api_server(
+    control_plane: ControlPlane, tmp_path: Path, grant: tuple[str, str, str, str | None]
+) -> None:
+    """The test above runs the agent with exactly its grants on the real server; each one of them is needed: with
+    it taken out, the API server refuses the agent's run (a drain on a maintenance notice) for that verb."""
+    _, resource, verb, _ = grant
+    rendered = render("daemonset/imds-mode")
+    assert grants(rendered, "spotdrain", "spotdrain-node") == set(DAEMONSET_GRANTS)
+    async with RealKube(control_plane) as real:
+        token = granted_token(real, without(rendered, grant), "spotdrain", "spotdrain-node")
+        real.add_node("gpu-1", provider_id=f"aws:///us-east-1a/{INSTANCE}", taints=[GPU_TAINT])
+        real.add_pod("ml", "vllm-0", node="gpu-1", owner_kind="ReplicaSet", grace_period_s=1)
+        imds = FakeImds(instance_id=INSTANCE)
+        imds.add_maintenance(not_before=utcnow() + timedelta(hours=1))
+        refusal = f'cannot {verb} resource "{resource}"'
+        with capture_logs() as logs:
+            async with serving(imds) as url, agent(real, url, tmp_path, token=token):
+                await until(lambda: any(refusal in str(e.get("error", "")) for e in logs))
+        assert any("HTTP 403" in str(e.get("error", "")) for e in logs)

@@ -19,7 +19,7 @@ from simulate.fakes.events import eventbridge, health_change, spot_warning, stat
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import status_of
 from spotdrain.clock import rfc3339, utcnow
-from tests.conftest import Kube, node_agent, until
+from tests.conftest import Kube, granted_token, node_agent, until
 from tests.deploy.manifests import grants, needed, render
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def lifecycle(instance: str, token: str) -> str:
 
 
 def queue_agent(
-    kube: Kube, moto: MotoServer, queue: str, tmp_path: Path, *flags: str
+    kube: Kube, moto: MotoServer, queue: str, tmp_path: Path, *flags: str, token: str | None = None
 ) -> AbstractAsyncContextManager[int]:
     """The node agent in queue mode on moto's queue; yields its notice port."""
     aws = (
@@ -62,7 +62,8 @@ def queue_agent(
         "--sqs-wait-time",
         "1",
     )
-    return node_agent(kube, tmp_path / "kubeconfig", *aws, "--api-qps", "200", "--api-burst", "100", *flags)
+    limits = ("--api-qps", "200", "--api-burst", "100")
+    return node_agent(kube, tmp_path / "kubeconfig", *aws, *limits, *flags, token=token)
 
 
 def messages_left(sqs: SQSClient, queue: str) -> int:
@@ -240,7 +241,9 @@ async def test_a_late_notice_for_an_instance_whose_node_name_was_reused_touches_
 async def test_queue_mode_calls_exactly_what_its_account_is_granted(
     kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
-    granted = grants(render("daemonset/queue-mode"), "spotdrain", "spotdrain-queue")
+    rendered = render("daemonset/queue-mode")
+    granted = grants(rendered, "spotdrain", "spotdrain-queue")
+    token = granted_token(kube, rendered, "spotdrain", "spotdrain-queue")  # the real server: exactly these grants
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_4d5e6f"
 
@@ -250,7 +253,7 @@ async def test_queue_mode_calls_exactly_what_its_account_is_granted(
 
     sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
     sqs.send_message(QueueUrl=queue, MessageBody=change("open"))
-    async with queue_agent(kube, moto, queue, tmp_path):
+    async with queue_agent(kube, moto, queue, tmp_path, token=token):
         await until(lambda: kube.pod("ml", "vllm-1") is None and kube.pod("ml", "vllm-2") is None)
         await until(lambda: messages_left(sqs, queue) == 0)
         sqs.send_message(QueueUrl=queue, MessageBody=change("closed"))
