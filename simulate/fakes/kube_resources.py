@@ -103,6 +103,14 @@ MUTATING_WEBHOOKS = Resource(
     has_status=False,
     fields=frozenset({"metadata.name"}),
 )
+VALIDATING_WEBHOOKS = Resource(
+    group_version="admissionregistration.k8s.io/v1",
+    plural="validatingwebhookconfigurations",
+    kind="ValidatingWebhookConfiguration",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset({"metadata.name"}),
+)
 # Create-only and never stored (k8s.io/api/authentication/v1): the answer says who a token is.
 TOKEN_REVIEWS = Resource(
     group_version="authentication.k8s.io/v1",
@@ -123,7 +131,18 @@ SELF_SUBJECT_REVIEWS = Resource(
 REVIEWS = frozenset({TOKEN_REVIEWS, SELF_SUBJECT_REVIEWS})
 RESOURCES = {
     (r.group_version, r.plural): r
-    for r in (NODES, PODS, EVENTS, EVENTS_V1, PDBS, ENDPOINT_SLICES, SECRETS, MUTATING_WEBHOOKS, *REVIEWS)
+    for r in (
+        NODES,
+        PODS,
+        EVENTS,
+        EVENTS_V1,
+        PDBS,
+        ENDPOINT_SLICES,
+        SECRETS,
+        MUTATING_WEBHOOKS,
+        VALIDATING_WEBHOOKS,
+        *REVIEWS,
+    )
 }
 SUBRESOURCES = {"pods": {"status", "eviction"}, "nodes": {"status"}, "poddisruptionbudgets": {"status"}}
 

@@ -1,30 +1,44 @@
 """What one node's agent token can do, on the real API server: the DaemonSet's rendered RBAC and admission policy
-(daemonset/imds-mode), and a token the API server binds to the agent's pod on gpu-a, as the kubelet's projected
-volume holds it. With the policy, the agent's whole run on gpu-a passes and every reach beyond it is refused with
-the policy's message; without it, the same reaches succeed (so these tests can fail)."""
+(daemonset/imds-mode), the eviction guard (deploy/webhook/base's ValidatingWebhookConfiguration, answered by the
+webhook's app on 127.0.0.1 with its rendered RBAC), and a token the API server binds to the agent's pod on gpu-a,
+as the kubelet's projected volume holds it. With them, the agent's whole run on gpu-a passes and every reach beyond
+it is refused with the policy's or the guard's message; without them, the same reaches succeed (so these tests can
+fail)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import ssl
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
+from aiohttp import web
 from structlog.testing import capture_logs
 
 from agent.cache.plan import PENDING_TAINT
 from agent.drain.planning import ADDED, TAINT_KEY
+from inject.spec import Options
 from simulate.fakes.imds import FakeImds, serving
+from simulate.fakes.processes import free_port
+from simulate.fakes.tls import server_ssl_context, write_tls_files
 from spotdrain.clock import utcnow
+from spotdrain.kube_rest import InCluster
+from spotdrain.metrics import CollectorRegistry
 from tests.conftest import node_agent, until
 from tests.control_plane import ControlPlane
 from tests.deploy.manifests import render
 from tests.real_kube import RealKube
+from webhook.eviction_guard import pod_lookup
+from webhook.metrics import WebhookMetrics
+from webhook.server import webhook_app
 
 Obj = dict[str, Any]
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
@@ -73,6 +87,35 @@ async def policy_in_force(agent: Agent, *, wanted: bool = True) -> None:
 async def real(control_plane: ControlPlane) -> AsyncIterator[RealKube]:
     async with RealKube(control_plane) as kube:
         yield kube
+
+
+@asynccontextmanager
+async def eviction_guard(kube: RealKube, tmp_path: Path) -> AsyncIterator[None]:
+    """The webhook's app serving the guard over HTTPS on 127.0.0.1 with the webhook's rendered grants, and the
+    shipped ValidatingWebhookConfiguration pointed at it; returns once the API server sends it evictions."""
+    rendered = render("deploy/webhook/base")
+    token = kube.apply_and_token([o for o in rendered if o["kind"] in GRANT_KINDS], "spotdrain", "spotdrain-webhook")
+    account = kube.serviceaccount_dir(tmp_path / "webhook-sa", namespace="spotdrain", token=token)
+    env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": kube.plane.url.rpartition(":")[2]}
+    (account / "ca.crt").write_bytes(kube.plane.ca_path.read_bytes())
+    tls = write_tls_files(tmp_path / "webhook-tls")
+    async with aiohttp.ClientSession() as session:
+        lookup = pod_lookup(session, InCluster.from_environment(account, env=env))
+        metrics = WebhookMetrics.create(CollectorRegistry())
+        app = webhook_app(Options(), metrics=metrics, max_body_bytes=1 << 20, read_timeout_s=5, pods=lookup)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port, ssl_context=server_ssl_context(tls)).start()
+        try:
+            [configuration] = [o for o in rendered if o["kind"] == "ValidatingWebhookConfiguration"]
+            for hook in configuration["webhooks"]:
+                bundle = base64.b64encode(tls.ca_path.read_bytes()).decode()
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/validate-eviction", "caBundle": bundle}
+            kube.admin.apply(configuration)
+            yield
+        finally:
+            await runner.cleanup()
 
 
 def reaches(kube: RealKube) -> list[tuple[str, str, str, Obj]]:
@@ -137,9 +180,43 @@ async def test_without_the_policy_the_same_reaches_succeed(real: RealKube) -> No
     assert GPU_TAINT not in real.node("gpu-a")["spec"]["taints"]
 
 
+async def evict(agent: Agent, pod: str, *, dry: bool = False) -> httpx.Response:
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": "ml"}}
+    path = f"/api/v1/namespaces/ml/pods/{pod}/eviction" + ("?dryRun=All" if dry else "")
+    return await agent.ask("POST", path, body, content_type="application/json")
+
+
+async def test_with_the_guard_only_pods_on_its_own_node_are_evicted(real: RealKube, tmp_path: Path) -> None:
+    agent = Agent(real, policy=True)
+    for pod, node in (("vllm-a", "gpu-a"), ("vllm-b", "gpu-b")):
+        real.add_pod("ml", pod, node=node, owner_kind="ReplicaSet", grace_period_s=1)
+    async with eviction_guard(real, tmp_path):
+        refused = await evict(agent, "vllm-b")
+        assert refused.status_code == 403, refused.text
+        assert (
+            "spotdrain-node on gpu-a may evict only pods bound to gpu-a; ml/vllm-b is on gpu-b"
+            in refused.json()["message"]
+        )
+        assert 'admission webhook "eviction.guard.spotdrain.io" denied the request' in refused.json()["message"]
+        assert (await evict(agent, "vllm-a")).status_code == 201
+        # An administrator's eviction (kubectl drain, Karpenter) never reaches the guard.
+        real.admin.create("/api/v1/namespaces/ml/pods/vllm-b/eviction", {"metadata": {"name": "vllm-b"}})
+    assert real.pod("ml", "vllm-b")["metadata"].get("deletionTimestamp")  # type: ignore[index]
+
+
+async def test_without_the_guard_a_pod_on_another_node_is_evicted(real: RealKube) -> None:
+    agent = Agent(real, policy=True)
+    real.add_pod("ml", "vllm-b", node="gpu-b", owner_kind="ReplicaSet", grace_period_s=1)
+    async with asyncio.timeout(15):  # another test's guard, deleted, may still be called for a moment
+        while not (await evict(agent, "vllm-b", dry=True)).is_success:
+            await asyncio.sleep(0.1)
+    answer = await evict(agent, "vllm-b")
+    assert answer.status_code == 201, answer.text
+
+
 async def test_with_the_policy_the_agents_whole_run_on_its_node_passes(real: RealKube, tmp_path: Path) -> None:
-    """Mark (taint, cordon, annotate, Event), drain (evict), withdraw (a canceled maintenance event unmarks), and
-    the model cache's startup taint lifted, all with the token bound to the pod on gpu-a."""
+    """Mark (taint, cordon, annotate, Event), drain (evict, through the guard), withdraw (a canceled maintenance
+    event unmarks), and the model cache's startup taint lifted, all with the token bound to the pod on gpu-a."""
     agent = Agent(real, policy=True)
     real.admin.patch("/api/v1/nodes/gpu-a", {"spec": {"taints": [GPU_TAINT, {"key": PENDING_TAINT,
                                                                               "effect": "NoSchedule"}]}})  # fmt: skip
@@ -149,7 +226,7 @@ async def test_with_the_policy_the_agents_whole_run_on_its_node_passes(real: Rea
     imds = FakeImds(instance_id=INSTANCE)
     event_id = imds.add_maintenance(not_before=utcnow() + timedelta(hours=1))
     with capture_logs() as logs:
-        async with serving(imds) as url:
+        async with serving(imds) as url, eviction_guard(real, tmp_path):
             flags = ("--node-name", "gpu-a", "--imds-url", url, "--imds-interval", "0.1")
             async with node_agent(real, tmp_path / "kubeconfig", *flags, token=agent.token, stop_within_s=10):
                 await until(lambda: any(e["event"] == "node.drained" for e in logs), timeout_s=20)
