@@ -57,3 +57,10 @@ async def test_without_api_access_every_eviction_is_denied() -> None:
     answer = await judge(request(extra={NODE_NAME: ["gpu-a"]}), None)
     assert answer["response"]["allowed"] is False
     assert answer["response"]["status"]["message"] == "the guard has no API access"
+
+
+async def test_an_eviction_by_any_other_account_is_never_judged() -> None:
+    for user in ("system:serviceaccount:karpenter:karpenter", "kubernetes-admin", "system:serviceaccount:x:spotdrain"):
+        other = request() | {"userInfo": {"username": user}}
+        assert verdict(other, pod_on("gpu-b")) == (True, "")
+        assert (await judge(other, None))["response"]["allowed"] is True
