@@ -11,6 +11,7 @@ There is no kubelet: tests create, bind and report pods themselves (``tests.real
 from __future__ import annotations
 
 import hashlib
+import json
 import lzma
 import os
 import shutil
@@ -86,7 +87,6 @@ class ControlPlane:
     ca_path: Path
     admin_token: str
     sa_key_path: Path
-    etcd_url: str = ""
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def stop(self) -> None:
@@ -101,22 +101,6 @@ class ControlPlane:
             except subprocess.TimeoutExpired:
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait(5)
-
-    def compact(self) -> int:
-        """Compact etcd's history up to its current revision, as the API server does every five minutes; returns the
-        revision. Watches from an older resourceVersion than what the watch cache holds then end with 410 Gone."""
-        import json
-
-        def post(path: str, body: dict[str, object]) -> dict[str, object]:
-            request = urllib.request.Request(f"{self.etcd_url}{path}", data=json.dumps(body).encode(), method="POST")
-            with urllib.request.urlopen(request, timeout=10) as answer:
-                parsed: dict[str, object] = json.loads(answer.read())
-                return parsed
-
-        header = post("/v3/kv/range", {"key": "Lw=="})["header"]
-        revision = int(header["revision"])  # type: ignore[index]
-        post("/v3/kv/compaction", {"revision": revision, "physical": True})
-        return revision
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         text = (self.directory / f"{name}.log").read_text(errors="replace")
@@ -136,8 +120,8 @@ def start(directory: Path) -> ControlPlane:
     port = free_port()
     plane = ControlPlane(directory, f"https://127.0.0.1:{port}", tls.ca_path, token, sa_key)
     try:
-        plane.etcd_url = _start_etcd(plane, bin_dir)
-        _start_apiserver(plane, bin_dir, plane.etcd_url, port, tls.cert_path, tls.key_path)
+        etcd_url = _start_etcd(plane, bin_dir)
+        _start_apiserver(plane, bin_dir, etcd_url, port, tls.cert_path, tls.key_path)
         _wait_ready(plane)
         kubeconfig = write_kubeconfig(directory / "admin.kubeconfig", plane.url, plane.ca_path, token)
         plane.processes.append(_spawn(plane, bin_dir, "kube-controller-manager", *_controller_flags(kubeconfig, plane)))
@@ -149,8 +133,6 @@ def start(directory: Path) -> ControlPlane:
 
 def write_kubeconfig(path: Path, server: str, ca_path: Path, token: str, *, namespace: str = "default") -> Path:
     """A kubeconfig (JSON, which YAML readers take) for ``server`` with a bearer token."""
-    import json
-
     config = {
         "apiVersion": "v1",
         "kind": "Config",

@@ -24,7 +24,8 @@ from simulate.fakes.kube import Call
 from simulate.fakes.kube_api import DeleteHook, Deletion
 from spotdrain.clock import utcnow
 from tests.control_plane import ControlPlane, write_kubeconfig
-from tests.real_kube_http import Admin, ApiError, Kubelet, RecordingProxy
+from tests.real_kube_http import Admin, ApiError, RecordingProxy
+from tests.real_kubelet import Kubelet
 
 Obj = dict[str, Any]
 # The namespaces tests put pods in; made once, emptied after each test.

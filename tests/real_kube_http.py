@@ -1,17 +1,16 @@
-"""The I/O under ``tests.real_kube``: the administrator's synchronous client, the recording proxy clients go
-through, and the kubelet's two duties the tests rely on."""
+"""The I/O under ``tests.real_kube``: the administrator's synchronous client, and the recording proxy clients go
+through (``tests.real_kubelet`` is the third part)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import re
 import ssl
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,10 @@ import aiohttp
 import httpx
 from aiohttp import web
 
-from simulate.fakes import kube_objects
 from simulate.fakes.kube import Call
-from simulate.fakes.kube_api import DeleteHook, Deletion
 from simulate.fakes.kube_resources import route
 from simulate.fakes.processes import free_port
 from simulate.fakes.tls import server_ssl_context, write_tls_files
-from spotdrain.clock import utcnow
 from tests.control_plane import ControlPlane
 
 Obj = dict[str, Any]
@@ -48,6 +44,7 @@ PLURALS = {
     "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
     "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
     "ValidatingWebhookConfiguration": "validatingwebhookconfigurations",
+    "MutatingWebhookConfiguration": "mutatingwebhookconfigurations",
 }
 CLUSTER_SCOPED_APPLIED = (
     "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
@@ -55,6 +52,7 @@ CLUSTER_SCOPED_APPLIED = (
     "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
     "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
     "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations",
+    "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
 )
 VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 TEST_LABEL = "spotdrain.io/test-fixture"
@@ -318,106 +316,3 @@ def _fault_response(fault: _Fault) -> web.Response:
         body["details"] = {"retryAfterSeconds": round(fault.retry_after_s)}
         headers["Retry-After"] = str(round(fault.retry_after_s))
     return web.json_response(body, status=fault.status, headers=headers)
-
-
-class Kubelet:
-    """Watches every pod: finishes a graceful deletion once its grace period has passed (or a deletion hook
-    removed it sooner), and writes the Ready condition a pod's readiness gates give it."""
-
-    def __init__(self, plane: ControlPlane, proxy: RecordingProxy) -> None:
-        self.plane = plane
-        self.proxy = proxy
-        self.hooks: list[DeleteHook] = []
-        self.deletions: list[Deletion] = []
-        self._graces: dict[tuple[str, str], int] = {}
-        self.removing: set[tuple[str, str]] = set()  # its own immediate deletions: not a deletion a client began
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._session: aiohttp.ClientSession | None = None
-        self._watching: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        context = ssl.create_default_context(cafile=str(self.plane.ca_path))
-        headers = {"Authorization": f"Bearer {self.plane.admin_token}"}
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context), headers=headers)
-        listed = await self._get("/api/v1/pods")
-        self._watching = asyncio.create_task(self._watch(listed["metadata"]["resourceVersion"]))
-
-    async def stop(self) -> None:
-        for task in [*self._tasks, *([self._watching] if self._watching else [])]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *([self._watching] if self._watching else []), return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-
-    async def _get(self, path: str) -> Obj:
-        assert self._session is not None
-        async with self._session.get(self.plane.url + path, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as got:
-            answer: Obj = await got.json()
-            return answer
-
-    async def _watch(self, version: str) -> None:
-        """Returns only when cancelled: the watch is resumed from the last version it saw."""
-        assert self._session is not None
-        while True:
-            url = f"{self.plane.url}/api/v1/pods?watch=1&allowWatchBookmarks=true&resourceVersion={version}"
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as stream:
-                    async for line in stream.content:
-                        event = json.loads(line)
-                        version = event["object"]["metadata"].get("resourceVersion", version)
-                        if event["type"] in ("ADDED", "MODIFIED"):
-                            await self._saw(event["object"])
-            await asyncio.sleep(0.1)
-
-    async def _saw(self, pod: Obj) -> None:
-        meta = pod["metadata"]
-        key = (meta["namespace"], meta["name"])
-        if meta.get("deletionTimestamp") and key not in self.removing:
-            grace = int(meta.get("deletionGracePeriodSeconds") or 0)
-            if grace < self._graces.get(key, grace + 1):
-                self._graces[key] = grace
-                self._begin(pod, grace)
-        elif pod["spec"].get("readinessGates"):
-            ready = kube_objects.ready_condition(pod)
-            now: Obj = next((c for c in pod["status"].get("conditions", []) if c["type"] == "Ready"), {})
-            if now.get("status") != ready["status"]:
-                self._spawn(self._write_ready(pod))
-
-    def _begin(self, pod: Obj, grace: int) -> None:
-        namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
-        self.deletions.append(Deletion(namespace, name, grace, self.proxy.saw_eviction(namespace, name)))
-        for hook in self.hooks:
-            result = hook(pod, grace)
-            if inspect.isawaitable(result):
-                self._spawn(_awaited(result))
-        self._spawn(self._remove_after(namespace, name, grace, pod["metadata"]["uid"]))
-
-    async def _remove_after(self, namespace: str, name: str, grace: int, uid: str) -> None:
-        await asyncio.sleep(grace)
-        if self._graces.get((namespace, name)) != grace:
-            return  # shortened since: a newer timer removes it
-        self.removing.add((namespace, name))
-        assert self._session is not None
-        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
-        with contextlib.suppress(aiohttp.ClientError):
-            path = f"{self.plane.url}/api/v1/namespaces/{namespace}/pods/{name}"
-            async with self._session.delete(path, json=body, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)):
-                pass
-
-    async def _write_ready(self, pod: Obj) -> None:
-        assert self._session is not None
-        meta = pod["metadata"]
-        changed = kube_objects.with_ready_condition(pod, now=utcnow())
-        path = f"{self.plane.url}/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status"
-        with contextlib.suppress(aiohttp.ClientError):  # a conflict: the newer version's event comes next
-            async with self._session.put(path, json=changed, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)):
-                pass
-
-    def _spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-
-async def _awaited(result: Awaitable[Any]) -> None:
-    await result

@@ -8,61 +8,55 @@ fail)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import ssl
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import httpx
 import pytest
-from aiohttp import web
 from structlog.testing import capture_logs
 
 from agent.cache.plan import PENDING_TAINT
 from agent.drain.planning import ADDED, TAINT_KEY
-from inject.spec import Options
 from simulate.fakes.imds import FakeImds, serving
-from simulate.fakes.processes import free_port
-from simulate.fakes.tls import server_ssl_context, write_tls_files
 from spotdrain.clock import utcnow
-from spotdrain.kube_rest import InCluster
-from spotdrain.metrics import CollectorRegistry
-from tests.conftest import node_agent, until
+from tests.conftest import RBAC_KINDS, node_agent, until
 from tests.control_plane import ControlPlane
 from tests.deploy.manifests import render
 from tests.real_kube import RealKube
-from webhook.eviction_guard import pod_lookup
-from webhook.metrics import WebhookMetrics
-from webhook.server import webhook_app
+from tests.real_webhook import serving_webhook
 
 Obj = dict[str, Any]
 GPU_TAINT = {"key": "nvidia.com/gpu", "effect": "NoSchedule"}
 INSTANCE = "i-0a0a0a0a0a0a0a0a0"
 POLICY_KINDS = frozenset({"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"})
-GRANT_KINDS = frozenset({"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
 MERGE = "application/merge-patch+json"
 
 
 def shipped(*, policy: bool) -> list[Obj]:
     """The DaemonSet's RBAC, and its admission policy unless ``policy`` is false."""
-    kinds = GRANT_KINDS | (POLICY_KINDS if policy else frozenset())
+    kinds = RBAC_KINDS | (POLICY_KINDS if policy else frozenset())
     return [o for o in render("daemonset/imds-mode") if o["kind"] in kinds]
 
 
 class Agent:
-    """The agent's pod on gpu-a and its pod-bound token."""
+    """The agent's pod on gpu-a and its pod-bound token (or, for ``queue``, the queue Deployment's account and a
+    token bound to no pod: it runs off the GPU nodes)."""
 
-    def __init__(self, kube: RealKube, *, policy: bool) -> None:
+    def __init__(self, kube: RealKube, *, policy: bool, queue: bool = False) -> None:
         kube.add_node("gpu-a", provider_id=f"aws:///us-east-1a/{INSTANCE}", taints=[GPU_TAINT])
         kube.add_node("gpu-b", taints=[GPU_TAINT])
+        self.kube = kube
+        if queue:
+            objects = [o for o in render("daemonset/queue-mode") if o["kind"] in RBAC_KINDS | POLICY_KINDS]
+            self.token = kube.apply_and_token(objects, "spotdrain", "spotdrain-queue")
+            return
         pod = kube.add_pod("spotdrain", "spotdrain-node-a", node="gpu-a", owner_kind="DaemonSet",
                            service_account="spotdrain-node")  # fmt: skip
-        self.kube = kube
         self.token = kube.apply_and_token(shipped(policy=policy), "spotdrain", "spotdrain-node", pod=pod)
 
     async def ask(
@@ -89,33 +83,8 @@ async def real(control_plane: ControlPlane) -> AsyncIterator[RealKube]:
         yield kube
 
 
-@asynccontextmanager
-async def eviction_guard(kube: RealKube, tmp_path: Path) -> AsyncIterator[None]:
-    """The webhook's app serving the guard over HTTPS on 127.0.0.1 with the webhook's rendered grants, and the
-    shipped ValidatingWebhookConfiguration pointed at it; returns once the API server sends it evictions."""
-    rendered = render("deploy/webhook/base")
-    token = kube.apply_and_token([o for o in rendered if o["kind"] in GRANT_KINDS], "spotdrain", "spotdrain-webhook")
-    account = kube.serviceaccount_dir(tmp_path / "webhook-sa", namespace="spotdrain", token=token)
-    env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": kube.plane.url.rpartition(":")[2]}
-    (account / "ca.crt").write_bytes(kube.plane.ca_path.read_bytes())
-    tls = write_tls_files(tmp_path / "webhook-tls")
-    async with aiohttp.ClientSession() as session:
-        lookup = pod_lookup(session, InCluster.from_environment(account, env=env))
-        metrics = WebhookMetrics.create(CollectorRegistry())
-        app = webhook_app(Options(), metrics=metrics, max_body_bytes=1 << 20, read_timeout_s=5, pods=lookup)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port, ssl_context=server_ssl_context(tls)).start()
-        try:
-            [configuration] = [o for o in rendered if o["kind"] == "ValidatingWebhookConfiguration"]
-            for hook in configuration["webhooks"]:
-                bundle = base64.b64encode(tls.ca_path.read_bytes()).decode()
-                hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/validate-eviction", "caBundle": bundle}
-            kube.admin.apply(configuration)
-            yield
-        finally:
-            await runner.cleanup()
+def eviction_guard(kube: RealKube, tmp_path: Path) -> AbstractAsyncContextManager[None]:
+    return serving_webhook(kube, tmp_path, {"ValidatingWebhookConfiguration"})
 
 
 def reaches(kube: RealKube) -> list[tuple[str, str, str, Obj]]:
@@ -168,6 +137,23 @@ async def test_with_the_policy_every_reach_beyond_its_own_node_is_refused(real: 
         assert POLICY_MESSAGES[what] in answer.json()["message"], what
         assert "ValidatingAdmissionPolicy 'spotdrain-node-scope'" in answer.json()["message"], what
     assert (real.node("gpu-b"), real.node("gpu-a")) == before
+
+
+async def test_the_queue_deployment_marks_any_node_but_changes_only_spotdrains_fields(real: RealKube) -> None:
+    queue = Agent(real, policy=True, queue=True)
+    ours = {"key": TAINT_KEY, "value": "spot-interruption", "effect": "NoSchedule"}
+    label = {"metadata": {"labels": {"node-role.kubernetes.io/x": ""}}}
+    async with asyncio.timeout(15):  # until the policy applies
+        while (await queue.ask("PATCH", "/api/v1/nodes/gpu-b?dryRun=All", label)).is_success:
+            await asyncio.sleep(0.1)
+    marked = await queue.ask(
+        "PATCH", "/api/v1/nodes/gpu-b", {"spec": {"unschedulable": True, "taints": [GPU_TAINT, ours]}}
+    )
+    assert marked.status_code == 200, marked.text
+    refused = await queue.ask("PATCH", "/api/v1/nodes/gpu-b", label)
+    assert refused.status_code == 403
+    assert POLICY_MESSAGES["label gpu-a"] in refused.json()["message"]
+    assert real.node("gpu-b")["spec"]["taints"] == [GPU_TAINT, ours]
 
 
 async def test_without_the_policy_the_same_reaches_succeed(real: RealKube) -> None:
@@ -232,12 +218,11 @@ async def test_with_the_policy_the_agents_whole_run_on_its_node_passes(real: Rea
                 await until(lambda: any(e["event"] == "node.drained" for e in logs), timeout_s=20)
                 marked = real.node("gpu-a")
                 imds.set_maintenance_state(event_id, "canceled")
-                await until(lambda: not real.node("gpu-a")["spec"].get("unschedulable"))
+                await until(lambda: not real.node("gpu-a")["spec"].get("unschedulable") and len(real.events()) == 2)
     assert marked["metadata"]["annotations"][ADDED] == "cordon,taint"
     assert any(t["key"] == TAINT_KEY for t in marked["spec"]["taints"])
     assert real.node("gpu-a")["spec"]["taints"] == [GPU_TAINT], "only its own taints went"
     assert real.pod("ml", "vllm-b") is not None
     await until(lambda: real.pod("ml", "vllm-a") is None)
     assert [e["event"] for e in logs if "forbidden" in json.dumps(e, default=str).lower()] == []
-    assert len(real.events()) == 2
     assert real.node("gpu-b")["spec"].get("unschedulable") is None
