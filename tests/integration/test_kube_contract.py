@@ -219,6 +219,16 @@ async def test_a_watch_sends_a_bookmark_for_changes_its_selector_leaves_out(both
         assert {e["object"]["kind"] for e in events} == {"Node"}
 
 
+async def test_a_watch_of_a_quiet_store_gets_no_bookmark(both: tuple[Kube, Kube]) -> None:
+    async def events(kube: Kube) -> list[Obj]:
+        kube.add_node("gpu-1")
+        since = kube.node("gpu-1")["metadata"]["resourceVersion"]
+        path = "/api/v1/nodes?watch=true&allowWatchBookmarks=true&timeoutSeconds=3&fieldSelector=metadata.name%3Dgpu-1"
+        return await watch(kube, f"{path}&resourceVersion={since}")
+
+    assert await asyncio.gather(*(events(kube) for kube in both)) == [[], []]
+
+
 # Who a token is --------------------------------------------------------------------------------------------------
 
 
