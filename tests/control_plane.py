@@ -52,7 +52,8 @@ def missing_reason() -> str | None:
     source = binaries_dir()
     absent = [name for name in BINARIES if not (source / f"{name}.xz").is_file()]
     if absent:
-        return f"no real Kubernetes binaries ({', '.join(absent)}.xz) in {source}: set SPOTDRAIN_KUBE_BINARIES"
+        files = ", ".join(f"{name}.xz" for name in absent)
+        return f"no {files} in {source} (the real Kubernetes control plane): set SPOTDRAIN_KUBE_BINARIES"
     return None
 
 
