@@ -96,8 +96,10 @@ async def test_evictions_held_by_a_disruption_budget_go_through_once_it_allows(k
     kube.add_pod("ml", "vllm-2", node="gpu-2", labels={"app": "vllm"}, owner_kind="ReplicaSet")
 
     async def replace_elsewhere(pod: dict[str, Any], grace_s: int) -> None:
-        # The Deployment's replacement becomes Ready on another node a moment after the pod has gone.
-        await asyncio.sleep(0.5)
+        # The Deployment's replacement becomes Ready on another node a moment after the pod has gone: long enough
+        # that the agent's next eviction meets the budget first, also when the real disruption controller counts
+        # the replacement at once.
+        await asyncio.sleep(1.5)
         kube.add_pod("ml", pod["metadata"]["name"] + "-new", node="gpu-2", labels={"app": "vllm"})
 
     kube.on_delete(replace_elsewhere)
