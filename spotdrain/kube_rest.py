@@ -20,6 +20,7 @@ from spotdrain.retry import ApiError, api_message, retry_after
 from spotdrain.settings import SettingsError
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # where a pod's token is mounted
 
 
 class Access(Protocol):

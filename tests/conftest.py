@@ -5,12 +5,14 @@ import importlib
 import inspect
 import os
 import pkgutil
+import shutil
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from sidecar.engines import sum_samples
@@ -18,6 +20,11 @@ from simulate.fakes.engine import EngineConfig, serve_engine
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import free_port
 from spotdrain.metrics import CollectorRegistry
+from tests import control_plane as plane
+from tests.real_kube import RealKube
+
+# Either Kubernetes API a test can run against: the fake, or the real API server behind the same surface.
+Kube = FakeKube | RealKube
 
 
 @asynccontextmanager
@@ -119,9 +126,48 @@ async def until(check: Callable[[], bool], *, timeout_s: float = 15) -> None:
             await asyncio.sleep(0.02)
 
 
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[plane.ControlPlane]:
+    """The real etcd, kube-apiserver and kube-controller-manager, started once for the session by the first test
+    that needs them; skipped with the reason where the binaries are absent."""
+    if (reason := plane.missing_reason()) is not None:
+        pytest.skip(reason)
+    directory = plane.temporary_directory()
+    started = plane.start(directory)
+    yield started
+    started.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(params=["fake", "real"])
+async def any_kube(request: pytest.FixtureRequest) -> AsyncIterator[Kube]:
+    """An empty Kubernetes API: the fake, then the real API server (each test leaves it empty again)."""
+    if request.param == "fake":
+        async with FakeKube() as fake:
+            yield fake
+    else:
+        async with RealKube(request.getfixturevalue("control_plane")) as real:
+            yield real
+
+
+RBAC_KINDS = frozenset({"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"})
+
+
+def granted_token(kube: Kube, objects: list[dict[str, object]], namespace: str, account: str) -> str | None:
+    """On the real API server, a token of ``namespace/account`` that may do exactly what the RBAC among
+    ``objects`` (a rendered manifest) grants it; on the fake, None (its token may do anything, and the test compares
+    the calls it recorded with the grants instead)."""
+    if isinstance(kube, FakeKube):
+        return None
+    return kube.apply_and_token([o for o in objects if o["kind"] in RBAC_KINDS], namespace, account)
+
+
 @asynccontextmanager
-async def node_agent(kube: FakeKube, kubeconfig: Path, *flags: str, stop_within_s: float = 15) -> AsyncIterator[int]:
-    """``spotdrain node`` in this loop, on loopback ports, with ``flags``; yields its notice port.
+async def node_agent(
+    kube: Kube, kubeconfig: Path, *flags: str, stop_within_s: float = 15, token: str | None = None
+) -> AsyncIterator[int]:
+    """``spotdrain node`` in this loop, on loopback ports, with ``flags`` and ``token`` (default: one that may do
+    anything); yields its notice port.
 
     Leaving the block sends this process SIGTERM, which the agent's handler turns into its own shutdown.
     """
@@ -130,7 +176,7 @@ async def node_agent(kube: FakeKube, kubeconfig: Path, *flags: str, stop_within_
     from spotdrain.cli import build_parser
 
     notice_port = free_port()
-    argv = ["node", "--kubeconfig", str(kube.write_kubeconfig(kubeconfig)), "--host", "127.0.0.1"]
+    argv = ["node", "--kubeconfig", str(kube.write_kubeconfig(kubeconfig, token=token)), "--host", "127.0.0.1"]
     argv += ["--metrics-port", str(free_port()), "--notice-port", str(notice_port), "--eviction-delay", "0.1", *flags]
     ready = asyncio.Event()
     task = asyncio.create_task(run(from_arguments(build_parser().parse_args(argv)), ready_flag=ready))

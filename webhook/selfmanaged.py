@@ -21,15 +21,16 @@ import structlog
 
 from spotdrain.certificates import Bundle, make_bundle
 from spotdrain.clock import utcnow
-from spotdrain.kube_rest import InCluster, call
+from spotdrain.kube_rest import SERVICEACCOUNT_DIR, InCluster, call
 from spotdrain.retry import ApiError, retrying
 from webhook.settings import TlsSettings
 
 log = structlog.get_logger()
 
-SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 JSON_PATCH = "application/json-patch+json"
 CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+# The eviction guard's configuration, of the same name; a cluster where it is not installed has none to trust.
+GUARD_CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
 Obj = dict[str, Any]
 
 
@@ -120,10 +121,17 @@ def _not_409(error: ApiError) -> bool:
     return error.transient and error.status != 409  # another replica made it: read theirs
 
 
-async def trust(session: aiohttp.ClientSession, cluster: InCluster, configuration: str, ca_cert: bytes) -> None:
+async def trust(
+    session: aiohttp.ClientSession,
+    cluster: InCluster,
+    configuration: str,
+    ca_cert: bytes,
+    *,
+    kind: str = CONFIGURATIONS,
+) -> None:
     """Set the CA as the caBundle of every webhook of the configuration; a configuration edited meanwhile (422 on
     a test) is read again."""
-    path = f"{CONFIGURATIONS}/{configuration}"
+    path = f"{kind}/{configuration}"
 
     async def once() -> None:
         current = await call(session, cluster, "GET", path)
@@ -152,3 +160,9 @@ async def provision(tls: TlsSettings, *, serviceaccount_dir: Path = SERVICEACCOU
         bundle = await shared_bundle(session, cluster, tls)
         write(bundle, tls)
         await trust(session, cluster, tls.configuration, bundle.ca_cert)
+        try:
+            await trust(session, cluster, tls.configuration, bundle.ca_cert, kind=GUARD_CONFIGURATIONS)
+        except ApiError as error:
+            if error.status != 404:
+                raise
+            log.info("webhook.no_eviction_guard", configuration=tls.configuration)

@@ -1,4 +1,5 @@
-"""``spotdrain webhook``: serve ``POST /mutate`` and ``GET /healthz`` over HTTPS, and ``/metrics`` over plain HTTP
+"""``spotdrain webhook``: serve ``POST /mutate``, ``POST /validate-eviction`` (``webhook.eviction_guard``) and
+``GET /healthz`` over HTTPS, and ``/metrics`` over plain HTTP
 on a port of its own (Prometheus scrapes it without the webhook's CA), until SIGTERM.
 
 The answer is ``webhook.admission``'s; this module reads the body (bounded in size and time), logs and counts what
@@ -16,16 +17,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import structlog
 from aiohttp import web
 
 from inject.spec import Options
+from spotdrain.kube_rest import SERVICEACCOUNT_DIR
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import probe_app, serve
 from spotdrain.retry import ApiError
 from spotdrain.settings import SettingsError, log_effective
 from spotdrain.tasks import Role, Supervisor, on_signals
 from webhook.admission import BadReview, answer, mutate, parse
+from webhook.eviction_guard import PodLookup, in_cluster, judge, pod_lookup
 from webhook.metrics import WebhookMetrics, outcome_of
 from webhook.settings import WebhookSettings, from_arguments
 
@@ -52,10 +56,16 @@ def _pod_name(request: dict[str, Any]) -> str | None:
 
 
 def webhook_app(
-    options: Options, *, metrics: WebhookMetrics, max_body_bytes: int, read_timeout_s: float
+    options: Options,
+    *,
+    metrics: WebhookMetrics,
+    max_body_bytes: int,
+    read_timeout_s: float,
+    pods: PodLookup | None = None,
 ) -> web.Application:
-    """The app: ``/mutate`` answers AdmissionReviews (4xx for anything else), ``/healthz`` says ok; each answer of
-    ``/mutate`` is counted by outcome and timed."""
+    """The app: ``/mutate`` answers AdmissionReviews (4xx for anything else), ``/validate-eviction`` judges an
+    agent's eviction with ``pods`` (None: every one is denied), ``/healthz`` says ok; each answer of ``/mutate`` is
+    counted by outcome and timed."""
 
     async def mutate_handler(request: web.Request) -> web.Response:
         started = time.perf_counter()
@@ -93,11 +103,21 @@ def webhook_app(
         )
         return _json(answer(uid, patch=patch, warnings=warnings)), outcome_of(patch, warnings)
 
+    async def guard_handler(request: web.Request) -> web.Response:
+        try:
+            review = parse(await _read(request, read_timeout_s))
+        except TimeoutError:
+            return _json({"error": "request body not read in time"}, status=408)
+        except BadReview as error:
+            return _json({"error": str(error)}, status=400)
+        return _json(await judge(review, pods))
+
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
     app = web.Application(client_max_size=max_body_bytes)
     app.router.add_post("/mutate", mutate_handler)
+    app.router.add_post("/validate-eviction", guard_handler)
     app.router.add_get("/healthz", healthz)
     return app
 
@@ -145,12 +165,25 @@ async def run(settings: WebhookSettings, *, ready_flag: asyncio.Event | None = N
     on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
     registry = CollectorRegistry()
     metrics = WebhookMetrics.create(registry)
-    app = webhook_app(
-        settings.inject,
-        metrics=metrics,
-        max_body_bytes=settings.max_body_bytes,
-        read_timeout_s=settings.read_timeout_s,
-    )
+    async with aiohttp.ClientSession() as session:
+        cluster = in_cluster(SERVICEACCOUNT_DIR)
+        app = webhook_app(
+            settings.inject,
+            metrics=metrics,
+            max_body_bytes=settings.max_body_bytes,
+            read_timeout_s=settings.read_timeout_s,
+            pods=pod_lookup(session, cluster) if cluster else None,
+        )
+        return await _serve(app, settings, registry, stop, ready_flag)
+
+
+async def _serve(
+    app: web.Application,
+    settings: WebhookSettings,
+    registry: CollectorRegistry,
+    stop: asyncio.Event,
+    ready_flag: asyncio.Event | None,
+) -> int:
     context = ssl_context(settings)
     tls = settings.tls
     server = serve(

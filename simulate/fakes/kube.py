@@ -35,7 +35,7 @@ from simulate.fakes.kube_api import Api, DeleteHook, Deletion
 from simulate.fakes.kube_auth import Accounts
 from simulate.fakes.kube_cluster import Cluster
 from simulate.fakes.kube_proxy import proxy
-from simulate.fakes.kube_resources import route
+from simulate.fakes.kube_resources import REVIEWS, route
 from simulate.fakes.kube_select import KubeError, bad_request, flag
 from simulate.fakes.kube_store import Store
 from simulate.fakes.kube_watch import BOOKMARK_EVERY_S, Watches
@@ -154,13 +154,14 @@ class FakeKube(Cluster):
             raise RuntimeError("the fake API server has not started")
         return self._tls.ca_path
 
-    def write_kubeconfig(self, path: Path, *, namespace: str = "default") -> Path:
-        """A kubeconfig (JSON, which YAML readers take) with the server, its CA file and the token."""
+    def write_kubeconfig(self, path: Path, *, namespace: str = "default", token: str | None = None) -> Path:
+        """A kubeconfig (JSON, which YAML readers take) with the server, its CA file and ``token`` (default: one
+        that may do anything)."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "fake", "cluster": {"server": self.url, "certificate-authority": str(self.ca_path)}}],
-            "users": [{"name": "fake", "user": {"token": self.token}}],
+            "users": [{"name": "fake", "user": {"token": token or self.token}}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
             "current-context": "fake",
         }
@@ -236,6 +237,8 @@ class FakeKube(Cluster):
             if target.subresource == "proxy":
                 return await proxy(request, target, self.store)
             body = await _body(request) if request.method in ("POST", "PUT", "PATCH", "DELETE") else None
+            if target.resource in REVIEWS and request.method == "POST":
+                return web.json_response(self.accounts.review(account, target, body), status=201)
             status, answer = self.api.serve(
                 request.method, target, query=request.query, content_type=request.content_type, body=body
             )

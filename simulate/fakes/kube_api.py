@@ -54,20 +54,21 @@ class Api:
         self, method: str, target: Target, *, query: Mapping[str, str], content_type: str, body: Any
     ) -> tuple[int, Obj]:
         """Answer one request: (HTTP status, JSON body); errors are raised as ``KubeError``."""
+        dry = dry_run(method, query)
         if target.name is None:
             if method == "GET":
                 return 200, self._list(target, query)
             if method == "POST":
-                return 201, self._create(target, body)
+                return 201, self._create(target, body, dry=dry)
         elif target.subresource == "eviction":
             if method == "POST":
-                return 201, self._evict(target, body)
+                return 201, self._evict(target, body, dry=dry)
         elif method == "GET":
             return 200, self.shown(self._stored(target))
         elif method == "PUT":
-            return 200, self._replace(target, body)
+            return 200, self._replace(target, body, dry=dry)
         elif method == "PATCH":
-            return 200, self._update(target, apply_patch(content_type, self._stored(target), body))
+            return 200, self._update(target, apply_patch(content_type, self._stored(target), body), dry=dry)
         elif method == "DELETE" and target.subresource is None:
             return 200, self._delete(target, query, body if isinstance(body, dict) else {})
         raise KubeError(405, "MethodNotAllowed", _NOT_ALLOWED)
@@ -112,7 +113,7 @@ class Api:
         meta = {"resourceVersion": str(self.store.revision)}
         return {"kind": f"{resource.kind}List", "apiVersion": resource.group_version, "metadata": meta, "items": shown}
 
-    def _create(self, target: Target, body: Any) -> Obj:
+    def _create(self, target: Target, body: Any, *, dry: bool = False) -> Obj:
         if not isinstance(body, dict):
             raise bad_request("the body of the request is not an object")
         if target.resource.namespaced and target.namespace is None:
@@ -121,23 +122,32 @@ class Api:
         if namespace and namespace != target.namespace:
             raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
         if target.resource is NODES:
-            body = _not_ready_until_the_kubelet_says(body)
+            body = with_not_ready_taint(body)
+        if dry:
+            return self.shown(self.store.created(target.resource, target.namespace, body))
         return self.shown(self.store.create(target.resource, target.namespace, body))
 
-    def _replace(self, target: Target, body: Any) -> Obj:
+    def _replace(self, target: Target, body: Any, *, dry: bool = False) -> Obj:
         if not isinstance(body, dict):
             raise bad_request("the body of the request is not an object")
         name = body.get("metadata", {}).get("name")
         if name != target.name:
             raise bad_request(f"the name of the object ({name}) does not match the name on the URL ({target.name})")
-        return self._update(target, body)
+        return self._update(target, body, dry=dry)
 
-    def _update(self, target: Target, new: Obj) -> Obj:
-        """Store ``new`` if its resourceVersion (when it has one) is the stored one; 409 Conflict otherwise."""
+    def _update(self, target: Target, new: Obj, *, dry: bool = False) -> Obj:
+        """Store ``new`` if its resourceVersion (when it has one) is the stored one; 409 Conflict otherwise. A dry
+        run answers what would be stored, with the stored resourceVersion, and stores nothing."""
         expected = new.get("metadata", {}).get("resourceVersion") or None
-        confined = confine(target.resource, target.subresource, self._stored(target), new)
+        stored = self._stored(target)
+        confined = confine(target.resource, target.subresource, stored, new)
         if target.resource is PODS and target.subresource == "status":  # a readiness gate's condition moves Ready
             confined = with_ready_condition(confined, now=self._now())
+        if dry:
+            if expected is not None and expected != stored["metadata"]["resourceVersion"]:
+                raise conflict(target.resource, stored["metadata"]["name"])
+            version = stored["metadata"]["resourceVersion"]
+            return self.shown({**confined, "metadata": {**confined["metadata"], "resourceVersion": version}})
         return self.shown(self.store.update(target.resource, confined, expected_version=expected))
 
     def _delete(self, target: Target, query: Mapping[str, str], options: Obj) -> Obj:
@@ -153,7 +163,7 @@ class Api:
         details = {"name": meta["name"], "kind": target.resource.plural, "uid": meta["uid"]}
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}
 
-    def _evict(self, target: Target, body: Any) -> Obj:
+    def _evict(self, target: Target, body: Any, *, dry: bool = False) -> Obj:
         if not isinstance(body, dict):
             raise bad_request("the body of the request is not an Eviction")
         pod = self._stored(target)
@@ -165,7 +175,8 @@ class Api:
             log.info("kube.eviction_refused", namespace=namespace, pod=target.name, reason=refusal.reason)
             raise refusal
         grace = (body.get("deleteOptions") or {}).get("gracePeriodSeconds")
-        self._delete_pod(pod, _seconds(grace), eviction=True)
+        if not dry:
+            self._delete_pod(pod, _seconds(grace), eviction=True)
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
 
     def _delete_pod(self, pod: Obj, requested: int | None, *, eviction: bool) -> Obj:
@@ -213,19 +224,37 @@ class Api:
             log.error("kube.delete_hook_failed", error=repr(task.exception()))
 
 
-NOT_READY = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+_OPTIONS = {"POST": "CreateOptions", "PUT": "UpdateOptions", "PATCH": "PatchOptions", "DELETE": "DeleteOptions"}
 
 
-def _not_ready_until_the_kubelet_says(node: Obj) -> Obj:
-    """A Node created through the API gets the taint ``node.kubernetes.io/not-ready:NoSchedule``, which the node
-    lifecycle controller removes once the kubelet reports Ready (admission plugin TaintNodesByCondition,
-    plugin/pkg/admission/nodetaint/admission.go). The fake runs no such controller: whoever creates a node through
-    the API takes the taint off, as tests/integration/check_cluster.py does."""
-    node = copy.deepcopy(node)
-    taints = node.setdefault("spec", {}).setdefault("taints", [])
-    if not any(t.get("key") == NOT_READY["key"] and t.get("effect") == NOT_READY["effect"] for t in taints):
-        taints.append(dict(NOT_READY))
-    return node
+def dry_run(method: str, query: Mapping[str, str]) -> bool:
+    """``?dryRun=All``: the request is checked as usual (conflicts, budgets) and answered, nothing is stored
+    (https://kubernetes.io/docs/reference/using-api/api-concepts/#dry-run). Any other value is the options'
+    validation error (apimachinery's ValidateDryRun: 422, FieldValueNotSupported)."""
+    value = query.get("dryRun")
+    if value is None or method not in _OPTIONS:
+        return False
+    if value != "All":
+        why = f'Unsupported value: ["{value}"]: supported values: "All"'
+        message = f'{_OPTIONS[method]}.meta.k8s.io "" is invalid: dryRun: {why}'
+        causes = [{"reason": "FieldValueNotSupported", "message": why, "field": "dryRun"}]
+        details = {"group": "meta.k8s.io", "kind": _OPTIONS[method], "causes": causes}
+        raise KubeError(422, "Invalid", message, details=details)
+    return True
+
+
+NOT_READY_TAINT = {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}
+
+
+def with_not_ready_taint(node: Obj) -> Obj:
+    """A Node created through the API gets the not-ready taint until its node lifecycle controller sees it Ready:
+    the TaintNodesByCondition admission plugin adds it (plugin/pkg/admission/nodetaint/admission.go), so a new
+    node is never scheduled to before its kubelet reports."""
+    spec = dict(node.get("spec") or {})
+    taints = list(spec.get("taints") or [])
+    if not any(t.get("key") == NOT_READY_TAINT["key"] for t in taints):
+        taints.append(dict(NOT_READY_TAINT))
+    return {**node, "spec": {**spec, "taints": taints}}
 
 
 def _seconds(value: Any) -> int | None:

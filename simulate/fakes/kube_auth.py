@@ -15,10 +15,26 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from simulate.fakes.kube_resources import Target
-from simulate.fakes.kube_select import KubeError, flag
+from simulate.fakes.kube_select import KubeError, Obj, flag
+from spotdrain.clock import rfc3339, utcnow
 
 ADMIN = "kubernetes-admin"
 _VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch"}
+
+
+AUDIENCE = "https://kubernetes.default.svc.cluster.local"  # the API server's own, its --service-account-issuer
+
+
+def user_info(user: str) -> Obj:
+    """The name and groups an authenticator gives ``user``: a service account's come from its namespace
+    (k8s.io/apiserver/pkg/authentication/serviceaccount/util.go ``MakeGroupNames``), the administrator is in
+    ``system:masters``; every authenticated user is in ``system:authenticated``."""
+    if user.startswith("system:serviceaccount:"):
+        namespace = user.split(":")[2]
+        groups = ["system:serviceaccounts", f"system:serviceaccounts:{namespace}"]
+    else:
+        groups = ["system:masters"]
+    return {"username": user, "groups": [*groups, "system:authenticated"]}
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,21 @@ class Accounts:
         if account is None:
             raise KubeError(401, "Unauthorized", "Unauthorized")
         return account
+
+    def review(self, account: Account, target: Target, body: object) -> Obj:
+        """The answer to a SelfSubjectReview (who ``account`` is) or a TokenReview (who the body's token is), as
+        pkg/registry/authentication/{selfsubjectreview,tokenreview}/rest.go give them: 201 either way, an unknown
+        token as ``status.error`` "invalid bearer token" with an empty user."""
+        meta = {"creationTimestamp": rfc3339(utcnow().replace(microsecond=0))}
+        answer: Obj = {"kind": target.resource.kind, "apiVersion": target.resource.group_version, "metadata": meta}
+        if target.resource.plural == "selfsubjectreviews":
+            return answer | {"status": {"userInfo": user_info(account.user)}}
+        spec = body.get("spec", {}) if isinstance(body, dict) else {}
+        reviewed = self._by_token.get(str(spec.get("token", "")))
+        if reviewed is None:
+            return answer | {"spec": spec, "status": {"user": {}, "error": "invalid bearer token"}}
+        status = {"authenticated": True, "user": user_info(reviewed.user), "audiences": [AUDIENCE]}
+        return answer | {"spec": spec, "status": status}
 
     def authorize(self, account: Account, method: str, target: Target, query: Mapping[str, str]) -> None:
         resource = target.resource

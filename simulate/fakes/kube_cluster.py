@@ -125,20 +125,8 @@ class Cluster:
         One slice per endpoint: the controller splits slices by port when pods serve a named target port on
         different numbers, which is what lets several endpoints share 127.0.0.1 here.
         """
-        for index, (ip, port, ready) in enumerate(endpoints):
-            name = f"{service}-{index}"
-            endpoint: Obj = {"addresses": [ip], "conditions": {"ready": ready}}
-            if index < len(nodes):
-                endpoint["nodeName"] = nodes[index]
-            slice_: Obj = {
-                "apiVersion": "discovery.k8s.io/v1",
-                "kind": "EndpointSlice",
-                "metadata": {"name": name, "namespace": namespace, "labels": {"kubernetes.io/service-name": service}},
-                "addressType": "IPv4",
-                "endpoints": [endpoint],
-                "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-            }
-            found = self.store.find(ENDPOINT_SLICES, namespace, name)
+        for slice_ in kube_objects.endpoint_slices(namespace, service, endpoints, nodes=nodes):
+            found = self.store.find(ENDPOINT_SLICES, namespace, slice_["metadata"]["name"])
             if found is None:
                 self.store.create(ENDPOINT_SLICES, namespace, slice_)
             else:

@@ -99,6 +99,32 @@ def pod(
     )
 
 
+def endpoint_slices(
+    namespace: str, service: str, endpoints: Sequence[tuple[str, int, bool]], *, nodes: Sequence[str] = ()
+) -> list[Obj]:
+    """A Service's EndpointSlices as its controller writes them, one per (IP, port, ready) endpoint."""
+    slices = []
+    for index, (ip, port, ready) in enumerate(endpoints):
+        endpoint: Obj = {"addresses": [ip], "conditions": {"ready": ready}}
+        if index < len(nodes):
+            endpoint["nodeName"] = nodes[index]
+        slices.append(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": f"{service}-{index}",
+                    "namespace": namespace,
+                    "labels": {"kubernetes.io/service-name": service},
+                },
+                "addressType": "IPv4",
+                "endpoints": [endpoint],
+                "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            }
+        )
+    return slices
+
+
 def pdb(
     namespace: str,
     name: str,

@@ -122,6 +122,32 @@ DAEMONSETS = Resource(
 DEPLOYMENTS = Resource(
     group_version="apps/v1", plural="deployments", kind="Deployment", namespaced=True, has_status=True, fields=_META
 )
+VALIDATING_WEBHOOKS = Resource(
+    group_version="admissionregistration.k8s.io/v1",
+    plural="validatingwebhookconfigurations",
+    kind="ValidatingWebhookConfiguration",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset({"metadata.name"}),
+)
+# Create-only and never stored (k8s.io/api/authentication/v1): the answer says who a token is.
+TOKEN_REVIEWS = Resource(
+    group_version="authentication.k8s.io/v1",
+    plural="tokenreviews",
+    kind="TokenReview",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset(),
+)
+SELF_SUBJECT_REVIEWS = Resource(
+    group_version="authentication.k8s.io/v1",
+    plural="selfsubjectreviews",
+    kind="SelfSubjectReview",
+    namespaced=False,
+    has_status=False,
+    fields=frozenset(),
+)
+REVIEWS = frozenset({TOKEN_REVIEWS, SELF_SUBJECT_REVIEWS})
 RESOURCES = {
     (r.group_version, r.plural): r
     for r in (
@@ -137,6 +163,8 @@ RESOURCES = {
         SERVICES,
         DAEMONSETS,
         DEPLOYMENTS,
+        VALIDATING_WEBHOOKS,
+        *REVIEWS,
     )
 }
 SUBRESOURCES = {

@@ -85,6 +85,10 @@ class Store:
         return [copy.deepcopy(self._objects[k]) for k in keys]
 
     def create(self, resource: Resource, namespace: str | None, obj: Obj) -> Obj:
+        return self._write(resource, self.created(resource, namespace, obj))
+
+    def created(self, resource: Resource, namespace: str | None, obj: Obj) -> Obj:
+        """``obj`` as ``create`` would store it (name, uid, creation time), not stored: a dry run's answer."""
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
@@ -100,7 +104,7 @@ class Store:
         meta["uid"] = str(uuid.uuid4())
         meta["creationTimestamp"] = rfc3339(self._now().replace(microsecond=0))
         meta.pop("deletionTimestamp", None)
-        return self._write(resource, _normalized(obj))
+        return _normalized(obj)
 
     def update(self, resource: Resource, obj: Obj, *, expected_version: str | None = None) -> Obj:
         """Replace the stored object; a stale ``expected_version`` is a 409 Conflict."""

@@ -20,7 +20,10 @@ https://kubernetes.io/docs/reference/using-api/api-concepts/#efficient-detection
   ``--min-request-timeout`` (1800 s) applies.
 - ``allowWatchBookmarks=true``: BOOKMARK events whose object carries only ``kind``, ``apiVersion`` and
   ``metadata.resourceVersion``, roughly every minute and 2 s before the timeout (cache_watcher.go
-  ``nextBookmarkTime``). A bookmark is sent only once everything before its version was.
+  ``nextBookmarkTime``). A bookmark is sent only once everything before its version was, and only when that version
+  is newer than the one the watch started from: a watch of a quiet store gets none, one that has seen a change gets
+  a bookmark at that change's version (measured on the real API server v1.36.2: tests/integration/
+  test_kube_contract.py).
 
 Tests steer the open watches: ``drop()`` closes their connections (an API server restart, a load balancer), and
 ``silence()`` makes them send nothing more while staying open (a NAT entry that died): both are what a watching
@@ -66,6 +69,7 @@ class Watcher:
         self.queue: asyncio.Queue[Obj | None] = asyncio.Queue()
         self.silent = False
         self.transport: asyncio.BaseTransport | None = None
+        self.version = 0  # the resourceVersion it started from
 
     def selects(self, obj: Obj) -> bool:
         meta = obj["metadata"]
@@ -126,6 +130,7 @@ class Watches:
         watcher = Watcher(target, query, show=self.show)
         # Register and take the backlog in one step: the store changes only between awaits, so nothing is missed.
         backlog = self._backlog(watcher, version)
+        watcher.version = self.store.revision if version is None else version
         self.open.add(watcher)
         try:
             response = web.StreamResponse(status=200, headers={"Content-Type": "application/json;stream=watch"})
@@ -166,8 +171,10 @@ class Watches:
             except TimeoutError:
                 if loop.time() < bookmark_at:
                     continue  # the deadline
-                event = self._bookmark(watcher)
                 bookmark_at = _next_bookmark(loop.time(), deadline, self.bookmark_every_s)
+                if self.store.revision <= watcher.version:
+                    continue  # nothing newer than the start to mark
+                event = self._bookmark(watcher)
             if event is None:
                 raise ConnectionResetError("the watch was dropped")
             if not watcher.silent:

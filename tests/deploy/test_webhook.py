@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from simulate.fakes.kube import FakeKube
-from simulate.fakes.kube_resources import MUTATING_WEBHOOKS
+from simulate.fakes.kube_resources import MUTATING_WEBHOOKS, VALIDATING_WEBHOOKS
 from spotdrain.metrics import CollectorRegistry
 from tests.deploy.manifests import (
     DEPLOY,
@@ -39,6 +39,7 @@ from webhook.settings import WebhookSettings
 MODES = ("deploy/webhook/self-managed", "deploy/webhook/cert-manager")
 NAMESPACE, ACCOUNT = "spotdrain", "spotdrain-webhook"
 METRICS = WebhookMetrics.create(CollectorRegistry())
+GUARD_GRANT = ("", "pods", "get", None)  # the eviction guard reads the pod an eviction names (deploy/webhook/base)
 
 
 def _settings(objects: list[Obj], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> WebhookSettings:
@@ -147,7 +148,6 @@ def test_the_certificate_files_are_on_the_volume_each_mode_fills(
     if settings.tls.self_managed:
         assert "emptyDir" in volume  # the webhook writes them there
         assert not mount.get("readOnly")
-        assert template.spec["automountServiceAccountToken"] is True
     else:
         certificate = one(objects, "Certificate", "spotdrain-webhook")
         assert volume == {
@@ -155,7 +155,7 @@ def test_the_certificate_files_are_on_the_volume_each_mode_fills(
             "secret": {"secretName": certificate["spec"]["secretName"], "defaultMode": 0o440},
         }
         assert (settings.tls.cert.name, settings.tls.key.name) == ("tls.crt", "tls.key")  # what cert-manager writes
-        assert template.spec["automountServiceAccountToken"] is False
+    assert template.spec["automountServiceAccountToken"] is True  # the eviction guard reads pods
 
 
 def test_cert_manager_signs_for_the_service_with_the_ca_the_configuration_trusts() -> None:
@@ -181,7 +181,8 @@ def test_cert_manager_signs_for_the_service_with_the_ca_the_configuration_trusts
         fields = {"secretName", "dnsNames", "issuerRef", "duration", "renewBefore", "privateKey", "isCA", "commonName"}
         assert set(certificate["spec"]) <= fields
         assert set(certificate["spec"]["privateKey"]) <= {"algorithm", "size", "rotationPolicy"}
-    assert grants(objects, NAMESPACE, ACCOUNT) == set()  # with cert-manager the webhook calls no API
+    # With cert-manager the webhook calls the API only to read the pod an agent's eviction names (the guard).
+    assert grants(objects, NAMESPACE, ACCOUNT) == {GUARD_GRANT}
 
 
 def test_only_the_self_managed_mode_may_touch_its_secret_and_configuration_by_name(
@@ -193,7 +194,8 @@ def test_only_the_self_managed_mode_may_touch_its_secret_and_configuration_by_na
     assert (settings.tls.namespace, settings.tls.service) == ("inference", "spotdrain-webhook")  # POD_NAMESPACE
     for role in named(objects, "Role") + named(objects, "ClusterRole"):
         for rule in role["rules"]:
-            if rule["verbs"] != ["create"]:  # create cannot be limited by name: the authorizer has none yet
+            # create cannot be limited by name (the authorizer has none yet), nor can the guard's reads of pods
+            if rule["verbs"] != ["create"] and rule["resources"] != ["pods"]:
                 assert rule["resourceNames"] in ([settings.tls.secret], [settings.tls.configuration]), rule
     assert _configuration(objects)["metadata"]["name"] == settings.tls.configuration
 
@@ -210,8 +212,11 @@ async def test_the_self_managed_rbac_grants_exactly_the_calls_it_makes(
         for name, value in kube.service_env().items():
             monkeypatch.setenv(name, value)
         kube.store.create(MUTATING_WEBHOOKS, None, _configuration(objects))
+        kube.store.create(
+            VALIDATING_WEBHOOKS, None, one(objects, "ValidatingWebhookConfiguration", "spotdrain-webhook")
+        )
         await provision(tls, serviceaccount_dir=kube.serviceaccount_dir(tmp_path / "sa", namespace=NAMESPACE))
-        assert needed(kube.calls, granted) == granted
+        assert needed(kube.calls, granted) == granted - {GUARD_GRANT}  # the guard reads pods when asked, not here
 
 
 def test_the_monitoring_component_scrapes_the_plain_http_port_that_serves_metrics(

@@ -15,12 +15,15 @@ from gateway.endpoints import NODES_PATH, SLICES_PATH, ready_urls
 from gateway.watch import Obj, WatchTimeouts, follow
 from simulate.fakes.kube import Call, FakeKube
 from spotdrain.kube_rest import InCluster
+from tests.conftest import Kube
 
 PATH = SLICES_PATH.format(namespace="ml")
 QUERY = {"labelSelector": "kubernetes.io/service-name=vllm"}
 TIMEOUTS = WatchTimeouts(request_s=5, watch_s=30, silence_s=30)
-BOTH_READY = [("127.0.0.1", 8001, True), ("127.0.0.1", 8002, True)]
-FIRST_DRAINING = [("127.0.0.1", 8001, False), ("127.0.0.1", 8002, True)]
+# Addresses only reported, never connected to: the API server refuses loopback ones in an EndpointSlice
+# ("may not be in the loopback range", pkg/apis/discovery/validation).
+BOTH_READY = [("10.0.0.1", 8001, True), ("10.0.0.1", 8002, True)]
+FIRST_DRAINING = [("10.0.0.1", 8001, False), ("10.0.0.1", 8002, True)]
 
 
 class Snapshots:
@@ -38,7 +41,7 @@ class Snapshots:
 
 
 @asynccontextmanager
-async def following(kube: FakeKube, tmp_path: Path, *, timeouts: WatchTimeouts = TIMEOUTS) -> AsyncIterator[Snapshots]:
+async def following(kube: Kube, tmp_path: Path, *, timeouts: WatchTimeouts = TIMEOUTS) -> AsyncIterator[Snapshots]:
     cluster = InCluster.from_environment(kube.serviceaccount_dir(tmp_path / "sa"), env=kube.service_env())
     snapshots = Snapshots()
     async with aiohttp.ClientSession() as session:
@@ -51,15 +54,19 @@ async def following(kube: FakeKube, tmp_path: Path, *, timeouts: WatchTimeouts =
                 await task
 
 
-def slice_calls(kube: FakeKube, *, watch: bool) -> list[Call]:
+def slice_calls(kube: Kube, *, watch: bool) -> list[Call]:
     pattern = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
     return [c for c in kube.calls if c.pattern == pattern and (c.query.get("watch") == "true") == watch]
 
 
-async def watching(kube: FakeKube, count: int = 1) -> None:
-    """Until ``count`` watches are open on the fake (a condition, not a pause)."""
+def open_watches(kube: Kube) -> int:
+    return len(kube.watches.open) if isinstance(kube, FakeKube) else kube.proxy.open_watches
+
+
+async def watching(kube: Kube, count: int = 1) -> None:
+    """Until ``count`` watches are open on the API server (a condition, not a pause)."""
     async with asyncio.timeout(10):
-        while len(kube.watches.open) < count:
+        while open_watches(kube) < count:
             await asyncio.sleep(0.01)
 
 
@@ -70,16 +77,27 @@ async def kube() -> AsyncIterator[FakeKube]:
         yield kube
 
 
-async def test_a_readiness_flip_reaches_the_follower_on_the_open_watch(kube: FakeKube, tmp_path: Path) -> None:
+@pytest.fixture
+def any_slices(any_kube: Kube) -> Kube:
+    """The Service's two ready endpoints, on the fake and on the real API server."""
+    any_kube.set_endpoints("ml", "vllm", BOTH_READY)
+    return any_kube
+
+
+async def test_a_readiness_flip_reaches_the_follower_on_the_open_watch(any_slices: Kube, tmp_path: Path) -> None:
+    kube = any_slices
     async with following(kube, tmp_path) as snapshots:
-        assert await snapshots.next() == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
-        listed_at = kube.store.revision
+        assert await snapshots.next() == ["http://10.0.0.1:8001", "http://10.0.0.1:8002"]
+        listed = [s for s in kube.calls if s.pattern.endswith("/endpointslices") and "watch" not in s.query]
         await watching(kube)
         kube.set_endpoints("ml", "vllm", FIRST_DRAINING)
-        assert await snapshots.next() == ["http://127.0.0.1:8002"]
-    assert len(slice_calls(kube, watch=False)) == 1
+        assert await snapshots.next() == ["http://10.0.0.1:8002"]
+    assert len(slice_calls(kube, watch=False)) == len(listed) == 1
     [watch] = slice_calls(kube, watch=True)  # the change came on the first watch: nothing polled
-    assert watch.query["resourceVersion"] == str(listed_at)
+    if isinstance(kube, FakeKube):
+        assert watch.query["resourceVersion"] == str(kube.store.revision - 1)
+    else:  # the list's version is the etcd revision, which other writers move; it is a number all the same
+        assert int(watch.query["resourceVersion"]) > 0
     assert watch.query["allowWatchBookmarks"] == "true"
     assert watch.query["timeoutSeconds"] == "30"
     assert watch.query["labelSelector"] == QUERY["labelSelector"]
@@ -93,7 +111,7 @@ async def test_a_dropped_watch_resumes_from_its_last_version_and_loses_no_change
         await watching(kube)
         kube.watches.drop()
         kube.set_endpoints("ml", "vllm", FIRST_DRAINING)  # while no watch is connected
-        assert await snapshots.next() == ["http://127.0.0.1:8002"]
+        assert await snapshots.next() == ["http://10.0.0.1:8002"]
     assert len(slice_calls(kube, watch=False)) == 1
     first, resumed = slice_calls(kube, watch=True)
     assert first.query["resourceVersion"] == resumed.query["resourceVersion"]  # nothing came between: the same
@@ -107,7 +125,7 @@ async def test_a_watch_too_old_to_resume_lists_again(kube: FakeKube, tmp_path: P
         kube.store.compact()
         kube.watches.drop()
         kube.set_endpoints("ml", "vllm", FIRST_DRAINING)
-        assert await snapshots.next() == ["http://127.0.0.1:8002"]
+        assert await snapshots.next() == ["http://10.0.0.1:8002"]
     assert len(slice_calls(kube, watch=False)) == 2
     first, refused = slice_calls(kube, watch=True)[:2]
     assert refused.query["resourceVersion"] == first.query["resourceVersion"]  # answered 410, then the list
@@ -120,7 +138,7 @@ async def test_a_silent_watch_is_restarted_and_delivers_what_it_withheld(kube: F
         await watching(kube)
         kube.watches.silence()  # the connection stays open; nothing more comes through it
         kube.set_endpoints("ml", "vllm", FIRST_DRAINING)
-        assert await snapshots.next() == ["http://127.0.0.1:8002"]
+        assert await snapshots.next() == ["http://10.0.0.1:8002"]
     assert len(slice_calls(kube, watch=False)) == 1
     assert len(slice_calls(kube, watch=True)) == 2
 
@@ -137,7 +155,7 @@ async def test_a_watch_ended_by_its_timeout_resumes_at_once_from_its_bookmark(tm
                 while len(slice_calls(kube, watch=True)) < 2:
                     await asyncio.sleep(0.05)
             kube.set_endpoints("ml", "vllm", FIRST_DRAINING)
-            assert await snapshots.next() == ["http://127.0.0.1:8002"]
+            assert await snapshots.next() == ["http://10.0.0.1:8002"]
         first, resumed = slice_calls(kube, watch=True)[:2]
     assert int(resumed.query["resourceVersion"]) > int(first.query["resourceVersion"])
     assert len(slice_calls(kube, watch=False)) == 1
@@ -152,12 +170,13 @@ async def test_a_failing_watch_keeps_what_is_known_and_comes_back(kube: FakeKube
         kube.faults.inject(fault, "GET", "endpointslices", count=2, status=500)
         kube.watches.drop()
         kube.set_endpoints("ml", "vllm", FIRST_DRAINING)
-        assert await snapshots.next() == ["http://127.0.0.1:8002"]  # nothing reported in between
+        assert await snapshots.next() == ["http://10.0.0.1:8002"]  # nothing reported in between
     assert [s.kind for s in kube.faults.struck] == [fault, fault]
     assert len(slice_calls(kube, watch=False)) == 1
 
 
-async def test_a_node_watch_reports_the_nodes_annotation(kube: FakeKube, tmp_path: Path) -> None:
+async def test_a_node_watch_reports_the_nodes_annotation(any_kube: Kube, tmp_path: Path) -> None:
+    kube = any_kube
     kube.add_node("gpu-1")
     kube.add_node("gpu-2")
     cluster = InCluster.from_environment(kube.serviceaccount_dir(tmp_path / "sa"), env=kube.service_env())

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -20,7 +19,7 @@ from simulate.fakes.events import eventbridge, health_change, spot_warning, stat
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import status_of
 from spotdrain.clock import rfc3339, utcnow
-from tests.conftest import node_agent, until
+from tests.conftest import Kube, granted_token, node_agent, until
 from tests.deploy.manifests import grants, needed, render
 
 if TYPE_CHECKING:
@@ -50,7 +49,7 @@ def lifecycle(instance: str, token: str) -> str:
 
 
 def queue_agent(
-    kube: FakeKube, moto: MotoServer, queue: str, tmp_path: Path, *flags: str
+    kube: Kube, moto: MotoServer, queue: str, tmp_path: Path, *flags: str, token: str | None = None
 ) -> AbstractAsyncContextManager[int]:
     """The node agent in queue mode on moto's queue; yields its notice port."""
     aws = (
@@ -63,7 +62,8 @@ def queue_agent(
         "--sqs-wait-time",
         "1",
     )
-    return node_agent(kube, tmp_path / "kubeconfig", *aws, "--api-qps", "200", "--api-burst", "100", *flags)
+    limits = ("--api-qps", "200", "--api-burst", "100")
+    return node_agent(kube, tmp_path / "kubeconfig", *aws, *limits, *flags, token=token)
 
 
 def messages_left(sqs: SQSClient, queue: str) -> int:
@@ -74,23 +74,23 @@ def messages_left(sqs: SQSClient, queue: str) -> int:
 
 
 @pytest.fixture
-async def kube() -> AsyncIterator[FakeKube]:
-    async with FakeKube() as fake:
-        for index in range(1, 5):
-            fake.add_node(f"gpu-{index}", provider_id=f"aws:///{REGION}a/i-000000000000000{index}")
-            fake.add_pod("ml", f"vllm-{index}", node=f"gpu-{index}", owner_kind="ReplicaSet")
+def kube(any_kube: Kube) -> Kube:
+    """Four GPU nodes with a pod each, on the fake and on the real API server."""
+    for index in range(1, 5):
+        any_kube.add_node(f"gpu-{index}", provider_id=f"aws:///{REGION}a/i-000000000000000{index}")
+        any_kube.add_pod("ml", f"vllm-{index}", node=f"gpu-{index}", owner_kind="ReplicaSet")
 
-        def exit_soon(pod: dict[str, Any], grace_s: int) -> None:
-            asyncio.get_running_loop().call_later(
-                0.2, fake.remove_pod, pod["metadata"]["namespace"], pod["metadata"]["name"]
-            )
+    def exit_soon(pod: dict[str, Any], grace_s: int) -> None:
+        asyncio.get_running_loop().call_later(
+            0.2, any_kube.remove_pod, pod["metadata"]["namespace"], pod["metadata"]["name"]
+        )
 
-        fake.on_delete(exit_soon)
-        yield fake
+    any_kube.on_delete(exit_soon)
+    return any_kube
 
 
 async def test_every_delivery_kind_drains_its_node_and_is_deleted_once_done(
-    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+    kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     token = str(uuid.uuid4())
@@ -114,17 +114,17 @@ async def test_every_delivery_kind_drains_its_node_and_is_deleted_once_done(
         assert any(t["key"] == TAINT_KEY for t in node["spec"]["taints"])
     assert "unschedulable" not in kube.node("gpu-4")["spec"]
     assert kube.pod("ml", "vllm-4") is not None
-    completed = moto.calls("CompleteLifecycleAction")
+    # moto serves the whole module (the fake's case and the real one's): only this queue's and hook's calls count.
+    completed = moto.calls("CompleteLifecycleAction", LifecycleActionToken=token)
     assert len(completed) == 1
-    assert completed[0].params["LifecycleActionToken"] == token
     assert completed[0].params["LifecycleActionResult"] == "CONTINUE"
-    assert len(moto.calls("DeleteMessage")) == 5
+    assert len(moto.calls("DeleteMessage", QueueUrl=queue)) == 5
     nodes_listed = [c for c in kube.calls if c.method == "GET" and c.path == "/api/v1/nodes"]
     assert 1 <= len(nodes_listed) <= 3, "instance ids are mapped through a cached node list, not one LIST each"
 
 
 async def test_a_lifecycle_action_is_completed_only_after_the_pods_are_gone(
-    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+    kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     token = str(uuid.uuid4())
@@ -137,7 +137,7 @@ async def test_a_lifecycle_action_is_completed_only_after_the_pods_are_gone(
 
 
 async def test_an_event_within_its_deadline_is_timed_from_the_event_not_from_receipt(
-    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+    kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
@@ -174,7 +174,7 @@ async def test_a_burst_of_messages_for_many_nodes_is_handled_once_each(
 
 
 async def test_a_closed_health_event_unmarks_the_node_its_open_event_marked(
-    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+    kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_1a2b3c"
@@ -200,7 +200,7 @@ async def test_a_closed_health_event_unmarks_the_node_its_open_event_marked(
 
 
 async def test_an_instance_already_shutting_down_is_evicted_with_one_second_of_grace_not_zero(
-    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+    kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     body = state_change("i-0000000000000002", "shutting-down", time=utcnow(), region=REGION)
@@ -212,7 +212,7 @@ async def test_an_instance_already_shutting_down_is_evicted_with_one_second_of_g
 
 
 async def test_a_late_notice_for_an_instance_whose_node_name_was_reused_touches_no_node(
-    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+    kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     old, new = "i-0000000000000001", "i-0000000000000009"
@@ -239,9 +239,11 @@ async def test_a_late_notice_for_an_instance_whose_node_name_was_reused_touches_
 
 
 async def test_queue_mode_calls_exactly_what_its_account_is_granted(
-    kube: FakeKube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
+    kube: Kube, moto: MotoServer, sqs: SQSClient, tmp_path: Path
 ) -> None:
-    granted = grants(render("daemonset/queue-mode"), "spotdrain", "spotdrain-queue")
+    rendered = render("daemonset/queue-mode")
+    granted = grants(rendered, "spotdrain", "spotdrain-queue")
+    token = granted_token(kube, rendered, "spotdrain", "spotdrain-queue")  # the real server: exactly these grants
     queue = sqs.create_queue(QueueName=f"q-{uuid.uuid4().hex[:10]}")["QueueUrl"]
     arn = "arn:aws:health:us-east-1::event/EC2/AWS_EC2_INSTANCE_RETIREMENT_SCHEDULED/AWS_EC2_RETIREMENT_4d5e6f"
 
@@ -252,7 +254,7 @@ async def test_queue_mode_calls_exactly_what_its_account_is_granted(
     sqs.send_message(QueueUrl=queue, MessageBody=spot("i-0000000000000001"))
     sqs.send_message(QueueUrl=queue, MessageBody=change("open"))
     # As daemonset/queue runs it: with the installation checks, whose list calls its role grants too.
-    async with queue_agent(kube, moto, queue, tmp_path, "--check-interval", "0.5"):
+    async with queue_agent(kube, moto, queue, tmp_path, "--check-interval", "0.5", token=token):
         await until(lambda: kube.pod("ml", "vllm-1") is None and kube.pod("ml", "vllm-2") is None)
         await until(lambda: messages_left(sqs, queue) == 0)
         sqs.send_message(QueueUrl=queue, MessageBody=change("closed"))

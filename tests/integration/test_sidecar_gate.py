@@ -20,10 +20,11 @@ from simulate.fakes.engine import EngineConfig
 from simulate.fakes.kube import FakeKube
 from spotdrain.kube_rest import InCluster, patch
 from spotdrain.retry import ApiError
-from tests.conftest import ask_drain, running_engine
+from tests.conftest import Kube, ask_drain, running_engine
 from tests.deploy.manifests import grants, needed
 from tests.deploy.test_inject import VLLM
 from tests.integration.test_sidecar import Sidecar, sidecar
+from tests.real_kube import RealKube
 
 GATE = "spotdrain.io/serving"
 ACCOUNT = "system:serviceaccount:ml:vllm"
@@ -33,18 +34,29 @@ STATUS_PATH = "/api/v1/namespaces/ml/pods/vllm-0/status"
 @pytest.fixture
 async def kube(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeKube]:
     async with FakeKube() as kube:
-        kube.add_node("gpu-1")
-        kube.add_pod("ml", "vllm-0", node="gpu-1", readiness_gates=[GATE])
-        for name, value in kube.service_env().items():
-            monkeypatch.setenv(name, value)
+        gated_pod(kube, monkeypatch)
         yield kube
+
+
+@pytest.fixture
+def any_gated(any_kube: Kube, monkeypatch: pytest.MonkeyPatch) -> Kube:
+    """The pod with the gate, on the fake and on the real API server."""
+    return gated_pod(any_kube, monkeypatch)
+
+
+def gated_pod(kube: Kube, monkeypatch: pytest.MonkeyPatch) -> Kube:
+    kube.add_node("gpu-1")
+    kube.add_pod("ml", "vllm-0", node="gpu-1", readiness_gates=[GATE])
+    for name, value in kube.service_env().items():
+        monkeypatch.setenv(name, value)
+    return kube
 
 
 def gate_flags(account: Path) -> tuple[str, ...]:
     return ("--readiness-gate", "--pod-name", "vllm-0", "--pod-namespace", "ml", "--serviceaccount-dir", str(account))
 
 
-def ready(kube: FakeKube) -> str:
+def ready(kube: Kube) -> str:
     pod = kube.pod("ml", "vllm-0") or {}
     return str(next(c["status"] for c in pod["status"]["conditions"] if c["type"] == "Ready"))
 
@@ -143,7 +155,7 @@ async def test_a_token_refused_or_without_the_permission_is_an_error_at_start_co
     assert ready(kube) == "False"
 
 
-def projected(volume: dict[str, Any], directory: Path, *, kube: FakeKube, token: str, namespace: str) -> Path:
+def projected(volume: dict[str, Any], directory: Path, *, kube: Kube, token: str, namespace: str) -> Path:
     """What the kubelet writes for a projected volume of these three sources, into ``directory``."""
     directory.mkdir()
     for source in volume["projected"]["sources"]:
@@ -159,7 +171,8 @@ def projected(volume: dict[str, Any], directory: Path, *, kube: FakeKube, token:
     return directory
 
 
-async def test_an_injected_pod_with_the_gate_becomes_ready_with_its_own_token(kube: FakeKube, tmp_path: Path) -> None:
+async def test_an_injected_pod_with_the_gate_becomes_ready_with_its_own_token(any_gated: Kube, tmp_path: Path) -> None:
+    kube = any_gated
     spec = yaml.safe_load(inject_text(VLLM, Options(readiness_gate=True)).text)["spec"]["template"]["spec"]
     sidecar_spec = next(c for c in spec["containers"] if c["name"] == "spotdrain")
     [mount] = [m for m in sidecar_spec["volumeMounts"] if m["mountPath"].endswith("serviceaccount")]
@@ -175,16 +188,20 @@ async def test_an_injected_pod_with_the_gate_becomes_ready_with_its_own_token(ku
         assert await car.metric("spotdrain_sidecar_readiness_gate_errors_total") == 0
 
 
-def gate_status(kube: FakeKube) -> str | None:
+def gate_status(kube: Kube) -> str | None:
     pod = kube.pod("ml", "vllm-0") or {}
     return next((str(c["status"]) for c in pod["status"].get("conditions", []) if c["type"] == GATE), None)
 
 
-async def test_the_printed_rbac_grants_exactly_what_the_gate_calls(kube: FakeKube, tmp_path: Path) -> None:
+async def test_the_printed_rbac_grants_exactly_what_the_gate_calls(any_gated: Kube, tmp_path: Path) -> None:
     """The RBAC ``spotdrain inject --readiness-gate`` prints is exactly what a real sidecar's gate calls need, through
     serving and a whole drain: nothing more and nothing less."""
-    granted = grants(gate_objects([("ml", "vllm")], set()), "ml", "vllm")
-    account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml")
+    kube = any_gated
+    printed = gate_objects([("ml", "vllm")], set())
+    granted = grants(printed, "ml", "vllm")
+    # On the real API server the sidecar holds a token of exactly the printed grants; the fake's may do anything.
+    token = kube.apply_and_token(printed, "ml", "vllm") if isinstance(kube, RealKube) else None
+    account = kube.serviceaccount_dir(tmp_path / "sa", namespace="ml", token=token)
     async with running_engine(EngineConfig()) as engine, sidecar(tmp_path / "run", engine, *gate_flags(account)) as car:
         async with asyncio.timeout(5):
             while gate_status(kube) != "True":

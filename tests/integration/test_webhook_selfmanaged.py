@@ -99,6 +99,7 @@ async def test_a_restarted_replica_reuses_the_secret_and_writes_nothing(kube: Fa
     assert {(c.method, c.pattern) for c in kube.calls} == {
         ("GET", "/api/v1/namespaces/{namespace}/secrets/{name}"),
         ("GET", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}"),
+        ("GET", "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}"),  # 404: none here
     }
 
 

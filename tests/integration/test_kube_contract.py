@@ -1,0 +1,255 @@
+"""The same requests to the fake Kubernetes API and to the real API server, answered alike: status codes, reasons,
+messages and the fields spotdrain reads. Where they differed, the fake was changed (each change cites the real
+behaviour beside it in simulate/fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from simulate.fakes.kube import FakeKube
+from tests.conftest import Kube
+from tests.control_plane import ControlPlane
+from tests.real_kube import RealKube
+
+Obj = dict[str, Any]
+MERGE = "application/merge-patch+json"
+STATUS_FIELDS = ("kind", "status", "reason", "message", "code")
+
+
+@pytest.fixture
+async def both(control_plane: ControlPlane) -> AsyncIterator[tuple[Kube, Kube]]:
+    async with FakeKube() as fake, RealKube(control_plane) as real:
+        yield fake, real
+
+
+async def ask(
+    kube: Kube, method: str, path: str, body: Obj | None = None, *, content_type: str = "application/json",
+    token: str | None = None,
+) -> tuple[int, Obj]:  # fmt: skip
+    """One request as a client sends it: (HTTP status, JSON answer)."""
+    headers = {"Authorization": f"Bearer {token or kube.token}", "Content-Type": content_type}
+    context = ssl.create_default_context(cafile=str(kube.ca_path))
+    async with httpx.AsyncClient(base_url=kube.url, verify=context, timeout=10) as client:
+        answer = await client.request(method, path, content=json.dumps(body) if body else None, headers=headers)
+        parsed: Obj = answer.json()
+        return answer.status_code, parsed
+
+
+async def watch(kube: Kube, path: str) -> list[Obj]:
+    """The events of a watch that ends on its own (``timeoutSeconds`` in ``path``)."""
+    context = ssl.create_default_context(cafile=str(kube.ca_path))
+    headers = {"Authorization": f"Bearer {kube.token}"}
+    async with (
+        httpx.AsyncClient(base_url=kube.url, verify=context, timeout=15, headers=headers) as client,
+        client.stream("GET", path) as stream,
+    ):
+        return [json.loads(line) async for line in stream.aiter_lines() if line.strip()]
+
+
+def status(answer: tuple[int, Obj]) -> tuple[int, Obj]:
+    """What a client reads from a Status answer: code, kind, reason, message, the details' name, kind and causes."""
+    code, body = answer
+    details = body.get("details") or {}
+    read = {k: body.get(k) for k in STATUS_FIELDS} | {k: details.get(k) for k in ("name", "kind", "causes")}
+    return code, read
+
+
+async def on_both(both: tuple[Kube, Kube], method: str, path: str, body: Obj | None = None, **kw: Any) -> list[
+    tuple[int, Obj]
+]:  # fmt: skip
+    return [await ask(kube, method, path, body, **kw) for kube in both]
+
+
+# Node patches ---------------------------------------------------------------------------------------------------
+
+
+async def test_a_node_patch_with_a_stale_resource_version_is_the_same_conflict(both: tuple[Kube, Kube]) -> None:
+    for kube in both:
+        kube.add_node("gpu-1")
+    stale = {"metadata": {"resourceVersion": "1"}, "spec": {"unschedulable": True}}
+    fake, real = [status(a) for a in await on_both(both, "PATCH", "/api/v1/nodes/gpu-1", stale, content_type=MERGE)]
+    assert fake == real
+    assert fake[0] == 409
+    assert fake[1]["message"] == (
+        'Operation cannot be fulfilled on nodes "gpu-1": the object has been modified; please apply your changes to '
+        "the latest version and try again"
+    )
+    for kube in both:
+        current = {"metadata": {"resourceVersion": kube.node("gpu-1")["metadata"]["resourceVersion"]}}
+        code, node = await ask(kube, "PATCH", "/api/v1/nodes/gpu-1", current | {"spec": {"unschedulable": True}},
+                               content_type=MERGE)  # fmt: skip
+        assert (code, node["spec"]["unschedulable"]) == (200, True)
+
+
+async def test_a_node_created_through_the_api_gets_the_not_ready_taint(both: tuple[Kube, Kube]) -> None:
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-9"},
+            "spec": {"taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}}  # fmt: skip
+    answers = await on_both(both, "POST", "/api/v1/nodes", node)
+    assert [code for code, _ in answers] == [201, 201]
+    fake, real = [body["spec"]["taints"] for _, body in answers]
+    assert (
+        fake
+        == real
+        == [
+            {"key": "nvidia.com/gpu", "effect": "NoSchedule"},
+            {"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"},
+        ]
+    )
+
+
+async def test_a_dry_run_patch_answers_the_change_and_stores_nothing(both: tuple[Kube, Kube]) -> None:
+    versions = []
+    for kube in both:
+        kube.add_node("gpu-1")
+        versions.append(kube.node("gpu-1")["metadata"]["resourceVersion"])
+    change = {"spec": {"unschedulable": True}}
+    answers = await on_both(both, "PATCH", "/api/v1/nodes/gpu-1?dryRun=All", change, content_type=MERGE)
+    assert [(code, body["spec"].get("unschedulable")) for code, body in answers] == [(200, True), (200, True)]
+    assert [body["metadata"]["resourceVersion"] for _, body in answers] == versions
+    assert [kube.node("gpu-1")["spec"].get("unschedulable") for kube in both] == [None, None]
+    refused = await on_both(both, "PATCH", "/api/v1/nodes/gpu-1?dryRun=Some", change, content_type=MERGE)
+    assert status(refused[0]) == status(refused[1])
+    assert refused[0][0] == 422
+    assert status(refused[0])[1]["causes"] == [
+        {"reason": "FieldValueNotSupported", "message": 'Unsupported value: ["Some"]: supported values: "All"',
+         "field": "dryRun"}
+    ]  # fmt: skip
+
+
+# Evictions under budgets ----------------------------------------------------------------------------------------
+
+BUDGETS = {  # name: (pods as (name, ready), minAvailable, unhealthyPodEvictionPolicy)
+    "full": ((("full-0", True), ("full-1", True)), 2, None),
+    "spare": ((("spare-0", True), ("spare-1", True)), 1, None),
+    "sick": ((("sick-0", False),), 1, None),
+    "sick-allowed": ((("sick-allowed-0", False), ("sick-allowed-1", True)), 1, "AlwaysAllow"),
+}
+BUDGET_STATUS = ("disruptionsAllowed", "currentHealthy", "desiredHealthy", "expectedPods")
+
+
+def eviction(name: str) -> Obj:
+    return {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": "ml"}}
+
+
+def budget_status(kube: Kube, name: str) -> Obj:
+    found = kube.pdb("ml", name) or {}
+    return {k: found.get("status", {}).get(k) for k in BUDGET_STATUS}
+
+
+async def test_evictions_under_budgets_are_answered_alike(both: tuple[Kube, Kube]) -> None:
+    for kube in both:
+        kube.add_node("gpu-1")
+        for budget, (pods, min_available, policy) in BUDGETS.items():
+            for pod, ready in pods:
+                kube.add_pod("ml", pod, node="gpu-1", labels={"budget": budget}, ready=ready)
+            kube.add_pdb("ml", budget, selector={"budget": budget}, min_available=min_available,
+                         unhealthy_pod_eviction_policy=policy)  # fmt: skip
+    fake, real = both
+    for budget in BUDGETS:  # the disruption controller's figures, which the fake computes as it does
+        assert budget_status(fake, budget) == budget_status(real, budget), budget
+    for pod in ("full-0", "sick-0", "sick-allowed-0", "spare-0", "gone"):
+        path = f"/api/v1/namespaces/ml/pods/{pod}/eviction"
+        dry = await on_both(both, "POST", f"{path}?dryRun=All", eviction(pod))
+        answers = await on_both(both, "POST", path, eviction(pod))
+        assert status(answers[0]) == status(answers[1]), pod
+        assert status(dry[0]) == status(dry[1]) == (status(answers[0]) if pod != "spare-0" else status(dry[0])), pod
+    assert status(answers[0])[1]["message"] == 'pods "gone" not found'
+    for kube in both:
+        assert (kube.pod("ml", "full-0") or {}).get("metadata", {}).get("deletionTimestamp") is None
+        assert (kube.pod("ml", "spare-0") or {})["metadata"]["deletionTimestamp"]
+    assert budget_status(fake, "spare")["disruptionsAllowed"] == budget_status(real, "spare")["disruptionsAllowed"] == 0
+
+
+async def test_a_refused_eviction_names_the_budget_and_its_figures(both: tuple[Kube, Kube]) -> None:
+    for kube in both:
+        kube.add_node("gpu-1")
+        for index in range(2):
+            kube.add_pod("ml", f"vllm-{index}", node="gpu-1", labels={"app": "vllm"})
+        kube.add_pdb("ml", "vllm", selector={"app": "vllm"}, min_available=2)
+    answers = await on_both(both, "POST", "/api/v1/namespaces/ml/pods/vllm-0/eviction", eviction("vllm-0"))
+    assert status(answers[0]) == status(answers[1])
+    code, read = status(answers[0])
+    assert (code, read["reason"], read["message"]) == (
+        429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget."
+    )  # fmt: skip
+    assert read["causes"] == [
+        {"reason": "DisruptionBudget", "message": "The disruption budget vllm needs 2 healthy pods and has 2 currently"}
+    ]
+
+
+# Watches --------------------------------------------------------------------------------------------------------
+
+
+async def test_a_watch_resumed_from_a_version_gets_every_change_since(both: tuple[Kube, Kube]) -> None:
+    seen = []
+    for kube in both:
+        kube.add_node("gpu-1")
+        since = kube.node("gpu-1")["metadata"]["resourceVersion"]
+        kube.annotate_node("gpu-1", {"spotdrain.io/step": "1"})
+        kube.annotate_node("gpu-1", {"spotdrain.io/step": "2"})
+        events = await watch(kube, f"/api/v1/nodes?watch=true&resourceVersion={since}&timeoutSeconds=1")
+        seen.append([(e["type"], e["object"]["metadata"]["annotations"]["spotdrain.io/step"]) for e in events])
+    assert seen[0] == seen[1] == [("MODIFIED", "1"), ("MODIFIED", "2")]
+
+
+async def test_a_watch_sends_a_bookmark_for_changes_its_selector_leaves_out(both: tuple[Kube, Kube]) -> None:
+    """The real server sends a bookmark shortly before a watch's timeout, at the newest version it knows of; the
+    change to gpu-2 is that version, though the watch of gpu-1 does not see it."""
+
+    async def bookmarks(kube: Kube) -> tuple[list[Obj], str]:
+        kube.add_node("gpu-1")
+        kube.add_node("gpu-2")
+        since = kube.node("gpu-2")["metadata"]["resourceVersion"]
+        path = "/api/v1/nodes?watch=true&allowWatchBookmarks=true&timeoutSeconds=4&fieldSelector=metadata.name%3Dgpu-1"
+        watching = asyncio.create_task(watch(kube, f"{path}&resourceVersion={since}"))
+        await asyncio.sleep(0.3)
+        kube.annotate_node("gpu-2", {"spotdrain.io/termination-time": "2026-12-01T10:00:00Z"})
+        return await watching, kube.node("gpu-2")["metadata"]["resourceVersion"]
+
+    for events, version in await asyncio.gather(*(bookmarks(kube) for kube in both)):
+        assert {e["type"] for e in events} == {"BOOKMARK"}
+        assert events[-1]["object"]["metadata"]["resourceVersion"] == version
+        assert {e["object"]["kind"] for e in events} == {"Node"}
+
+
+async def test_a_watch_of_a_quiet_store_gets_no_bookmark(both: tuple[Kube, Kube]) -> None:
+    async def events(kube: Kube) -> list[Obj]:
+        kube.add_node("gpu-1")
+        since = kube.node("gpu-1")["metadata"]["resourceVersion"]
+        path = "/api/v1/nodes?watch=true&allowWatchBookmarks=true&timeoutSeconds=3&fieldSelector=metadata.name%3Dgpu-1"
+        return await watch(kube, f"{path}&resourceVersion={since}")
+
+    assert await asyncio.gather(*(events(kube) for kube in both)) == [[], []]
+
+
+# Who a token is --------------------------------------------------------------------------------------------------
+
+
+async def test_reviews_name_a_service_account_token_alike(both: tuple[Kube, Kube]) -> None:
+    user = "system:serviceaccount:ml:reviewer"
+    tokens = [kube.issue_token(user) for kube in both]
+    review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+    selves = [await ask(k, "POST", "/apis/authentication.k8s.io/v1/selfsubjectreviews", review, token=t)
+              for k, t in zip(both, tokens, strict=True)]  # fmt: skip
+    read = [
+        (code, body["status"]["userInfo"]["username"], body["status"]["userInfo"]["groups"]) for code, body in selves
+    ]
+    assert read[0] == read[1] == (
+        201, user, ["system:serviceaccounts", "system:serviceaccounts:ml", "system:authenticated"]
+    )  # fmt: skip
+    path = "/apis/authentication.k8s.io/v1/tokenreviews"
+    reviewed = []
+    for kube, token in zip(both, tokens, strict=True):  # each server knows its own token only
+        for asked in (token, "not-a-token"):
+            body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": asked}}
+            code, answer = await ask(kube, "POST", path, body)
+            found = answer["status"]
+            reviewed.append((code, found.get("authenticated"), found["user"].get("username"), found.get("error")))
+    assert reviewed[:2] == reviewed[2:] == [(201, True, user, None), (201, None, None, "invalid bearer token")]
