@@ -148,12 +148,14 @@ async def relay(
 
     ``mover`` may end the answer early (the backend's node is about to go); the caller tells that from a break.
     """
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
-    )
+    # No sock_read: from the answer's head on, the mover bounds the backend's silence with one timer per stream.
+    timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s)
     backend.open_streams += 1
     try:
-        async with session.post(backend.url + path, data=body, headers=headers, timeout=timeout) as response:
+        async with asyncio.timeout(timeouts.read_s) as head:
+            response = await session.post(backend.url + path, data=body, headers=headers, timeout=timeout)
+            head.reschedule(None)
+        async with response:
             backend.refusing = False
             mover.attach(response)
             if response.status >= 500:
