@@ -10,6 +10,7 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Protocol
 
 import aiohttp
 import structlog
@@ -37,6 +38,10 @@ class Backend:
     refusing: bool = False  # a stall probe found it refusing new connections (until it answers a request again)
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class Mover:
     """One stream's hold on its backend's response, so the gateway can move the stream elsewhere: before the node
     goes (cause ``proactive``), when it stalls on a backend that is going away (``stalled``), or when the backend
@@ -48,10 +53,10 @@ class Mover:
         self.heard_at: float | None = None  # monotonic time of the backend's last bytes (None: no response yet)
         self.gap_s: float | None = None  # the backend's usual gap between reads, a moving average
         self.silence_s = silence_s  # the read timeout; None: none
-        self._response: aiohttp.ClientResponse | None = None
+        self._response: Closable | None = None
         self._timer: asyncio.TimerHandle | None = None
 
-    def attach(self, response: aiohttp.ClientResponse | None) -> None:
+    def attach(self, response: Closable | None) -> None:
         self._response = response
         self.heard_at = None if response is None else time.monotonic()
         if self._timer is not None:

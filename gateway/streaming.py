@@ -146,7 +146,6 @@ class _Run:
         mover = Mover(silence_s=read_s)
         with self.gateway.pool.hold(backend, mover):
             end = await relay(
-                self.gateway.session,
                 backend,
                 path=request.path,
                 body=request.raw,
