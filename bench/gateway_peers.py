@@ -1,9 +1,9 @@
 """The gateway beside the Rust routers, in one run: what each adds to every chunk, what it costs, and whether the
 bytes that reach the client are the engine's.
 
-One backend (bench/sse_source.py) serves every target: ``direct`` (the backend itself), ``spotdrain`` (the gateway,
-at its default ``--workers``; ``SPOTDRAIN_BENCH_GATEWAY_ARGS`` adds flags) and each peer bench/peer_routers.py could
-install. Three loads, each in rounds that interleave the targets (the order turns each round, so no target always
+One backend (bench/sse_source.py) serves every target: ``direct`` (the backend itself), the gateway at its default
+``--workers`` (the targets are read on it) and with one worker (``SPOTDRAIN_BENCH_GATEWAY_ARGS`` adds flags to both),
+and each peer bench/peer_routers.py could install. Three loads, each in rounds that interleave the targets (the order turns each round, so no target always
 runs on a machine its predecessor just warmed or loaded): 1 stream, 100 streams at 50 chunks/s each, 500 at 20/s,
 started over one chunk interval. Clients run in processes of their own (bench/relay_client.py) and check every
 event byte for byte. A figure is the median over rounds; "added" is a target's percentile less the direct one of
@@ -31,6 +31,7 @@ from pathlib import Path
 from bench.common import Result, cpu_s, rss_mb
 from bench.gateway import percentile
 from bench.peer_routers import LITELLM_SKIPPED, Missing, Peer, argv_for, routers
+from gateway.cpus import default_workers
 from simulate.fakes.processes import free_port, wait_http
 
 CPU_RATIO_TARGET = 1.5
@@ -40,7 +41,8 @@ P90_ADDED_1_TARGET_MS = 0.5
 IDLE_RSS_TARGET_MB = 60.0
 PER_STREAM_TARGET_KB = 20.0
 ROUNDS = int(os.environ.get("SPOTDRAIN_BENCH_ROUNDS", "3"))
-SPOTDRAIN = "spotdrain"
+SPOTDRAIN = f"spotdrain ({default_workers()} workers)"
+SPOTDRAIN_ONE = "spotdrain (1 worker)"
 DIRECT = "direct"
 
 
@@ -142,13 +144,17 @@ async def started(argv: Sequence[str], log: Path, health: str) -> AsyncIterator[
         await process.wait()
 
 
-def gateway_argv(port: int, backend: str) -> list[str]:
+def ours(*, workers: int | None = None) -> Peer:
+    """The gateway as a target: at its default ``--workers``, or at ``workers``."""
     extra = shlex.split(os.environ.get("SPOTDRAIN_BENCH_GATEWAY_ARGS", ""))
-    return [
+    argv = [
         *(sys.executable, "-m", "spotdrain.cli", "--log-format", "json", "--log-level", "warning", "gateway"),
-        *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port()), "--backend", backend),
+        *("--host", "127.0.0.1", "--port", "{port}", "--metrics-port", "{metrics_port}", "--backend", "{backend}"),
         *extra,
     ]
+    if workers is None:
+        return Peer(SPOTDRAIN, argv)
+    return Peer(SPOTDRAIN_ONE, [*argv, "--workers", str(workers)])
 
 
 async def client_run(url: str, load: Load) -> tuple[list[float], int, int, list[str]]:
@@ -207,23 +213,20 @@ async def play(workdir: Path, load: Load, peers: list[Peer]) -> list[Target]:
     source = [sys.executable, "-m", "bench.sse_source", "--port", str(backend_port), "--interval", str(load.interval_s)]
     async with started(source, workdir / "backend.log", f"{backend}/health"):
         targets = [Target(DIRECT, f"{backend}/v1/completions", None)]
-        port = free_port()
-        health = f"http://127.0.0.1:{port}/health"
-        async with started(gateway_argv(port, backend), workdir / "gateway.log", health) as gw:
-            targets.append(Target(SPOTDRAIN, f"http://127.0.0.1:{port}/v1/completions", gw.pid))
-            await _with_peers(workdir, load, peers, backend, targets)
+        await _with(workdir, load, [ours(), ours(workers=1), *peers], backend, targets)
     return targets
 
 
-async def _with_peers(workdir: Path, load: Load, peers: list[Peer], backend: str, targets: list[Target]) -> None:
-    if peers:
-        peer, rest = peers[0], peers[1:]
+async def _with(workdir: Path, load: Load, proxies: list[Peer], backend: str, targets: list[Target]) -> None:
+    """Start each of ``proxies`` in front of ``backend``, then play the rounds with every one running."""
+    if proxies:
+        proxy, rest = proxies[0], proxies[1:]
         port = free_port()
-        argv = argv_for(peer, port=port, metrics_port=free_port(), backend=backend)
-        log = workdir / f"{peer.name.split()[0]}.log"
+        argv = argv_for(proxy, port=port, metrics_port=free_port(), backend=backend)
+        log = workdir / f"{proxy.name.split()[0]}-{len(rest)}.log"
         async with started(argv, log, f"http://127.0.0.1:{port}/health") as process:
-            targets.append(Target(peer.name, f"http://127.0.0.1:{port}/v1/completions", process.pid))
-            await _with_peers(workdir, load, rest, backend, targets)
+            targets.append(Target(proxy.name, f"http://127.0.0.1:{port}/v1/completions", process.pid))
+            await _with(workdir, load, rest, backend, targets)
         return
     await asyncio.sleep(1.0)  # health checks settled
     for target in targets:
@@ -292,7 +295,7 @@ def merged(by_load: dict[str, list[Target]]) -> list[Target]:
 
 def results(targets: list[Target], missing: list[Missing]) -> list[Result]:
     direct, ours = targets[0], next(t for t in targets if t.name == SPOTDRAIN)
-    peers = [t for t in targets if t.name not in (DIRECT, SPOTDRAIN)]
+    peers = [t for t in targets if t.name not in (DIRECT, SPOTDRAIN, SPOTDRAIN_ONE)]
     rounds = rounds_detail(direct)
     out = [_exact(targets, rounds)]
     one, five = LOADS[0].name, LOADS[2].name
