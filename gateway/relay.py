@@ -152,6 +152,8 @@ async def relay(
     try:
         try:
             answer = await upstream.connect(backend.url, connect_s=timeouts.connect_s)
+        except TimeoutError:
+            raise  # no connection within connect_s: a timeout, as a silent answer is
         except OSError as error:
             return Broken("unavailable", str(error) or type(error).__name__)
         async with asyncio.timeout(timeouts.read_s):  # the answer's head; from there, the mover bounds the silence
