@@ -116,20 +116,26 @@ class Answer:
         await self._read_head()
 
     async def _read_head(self) -> None:
+        """The status and headers of the final answer: interim ones (1xx, e.g. the ``100 Continue`` a server sends for
+        a client's ``Expect``) are passed over, as aiohttp's client does."""
         data = b""
-        while (end := data.find(b"\r\n\r\n")) < 0:
-            if len(data) > MAX_HEAD_BYTES:
-                raise BadAnswer(f"a head longer than {MAX_HEAD_BYTES} bytes")
-            block = await self._protocol.next_block()
-            if block is None:
-                raise ConnectionResetError("the connection closed before the answer's head")
-            data += block
-        lines = data[:end].decode("latin-1").split("\r\n")
-        self._rest = data[end + 4 :]
-        version, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit():
-            raise BadAnswer(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+        while True:
+            while (end := data.find(b"\r\n\r\n")) < 0:
+                if len(data) > MAX_HEAD_BYTES:
+                    raise BadAnswer(f"a head longer than {MAX_HEAD_BYTES} bytes")
+                block = await self._protocol.next_block()
+                if block is None:
+                    raise ConnectionResetError("the connection closed before the answer's head")
+                data += block
+            lines = data[:end].decode("latin-1").split("\r\n")
+            data = data[end + 4 :]
+            version, _, rest = lines[0].partition(" ")
+            code = rest[:3]
+            if not version.startswith("HTTP/1.") or not code.isdigit():
+                raise BadAnswer(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+            if not 100 <= int(code) < 200:
+                break
+        self._rest = data
         self.status = int(code)
         for line in lines[1:]:
             name, colon, value = line.partition(":")

@@ -69,6 +69,14 @@ async def test_a_sized_body_ends_at_its_length_and_a_closed_one_at_the_close(
     assert await body_of(answer_of(split(HEAD + b"\r\n" + body, cuts))) == body
 
 
+async def test_interim_answers_are_passed_over_for_the_final_one() -> None:
+    wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    wire += HEAD + b"Content-Length: 5\r\n\r\nhello"
+    answer = answer_of(split(wire, [3, 30, 60]))
+    assert await body_of(answer) == b"hello"
+    assert (answer.status, "Link" in answer.headers) == (200, False)
+
+
 @pytest.mark.parametrize(
     "wire",
     [
