@@ -3,11 +3,12 @@ bytes that reach the client are the engine's.
 
 One backend (bench/sse_source.py) serves every target: ``direct`` (the backend itself), the gateway at its default
 ``--workers`` (the targets are read on it) and with one worker (``SPOTDRAIN_BENCH_GATEWAY_ARGS`` adds flags to both),
-and each peer bench/peer_routers.py could install. Three loads, each in rounds that interleave the targets (the order turns each round, so no target always
-runs on a machine its predecessor just warmed or loaded): 1 stream, 100 streams at 50 chunks/s each, 500 at 20/s,
-started over one chunk interval. Clients run in processes of their own (bench/relay_client.py) and check every
-event byte for byte. A figure is the median over rounds; "added" is a target's percentile less the direct one of
-the same round. This is a shared 2-core machine: the load average at each round's start is in the details.
+and each peer bench/peer_routers.py could install. Three loads, each in rounds that interleave the targets (the order
+turns each round, so no target always runs on a machine its predecessor just warmed or loaded): 1 stream, 100
+streams at 50 chunks/s each, 500 at 20/s, started over one chunk interval. Clients run in processes of their own
+(bench/relay_client.py) and check every event byte for byte. A figure is the median over rounds; "added" is a
+target's percentile less the direct one of the same round. This is a shared 2-core machine: the load average at each
+round's start is in the details.
 
 Targets (on 2 cores): at 100 streams, CPU per chunk at most 1.5 times the better router's and p99 added at most
 twice theirs; at 500 streams p50 added at most 5 ms; at 1 stream p90 added at most 0.5 ms; resident memory at most
@@ -20,6 +21,7 @@ import asyncio
 import json
 import os
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -140,7 +142,7 @@ async def started(argv: Sequence[str], log: Path, health: str) -> AsyncIterator[
         yield process
     finally:
         with suppress(ProcessLookupError):
-            os.killpg(process.pid, 9)
+            os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
 
 

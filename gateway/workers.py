@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from gateway.settings import GatewaySettings
 from spotdrain.metrics import CollectorRegistry
@@ -82,8 +83,6 @@ class Workers:
 
     async def keep(self) -> None:
         """Start every worker, and each again when it exits; runs until cancelled, then stops them all."""
-        from prometheus_client import multiprocess
-
         started: dict[int, float] = {}
         try:
             for index in range(self.count):
@@ -98,7 +97,7 @@ class Workers:
                     index = waits[future]
                     pid = self.running[index].pid
                     log.warning("gateway.worker_exited", worker=index, pid=pid, code=future.result())
-                    multiprocess.mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+                    mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
                     if time.monotonic() - started[index] < RESTART_PAUSE_S:
                         await asyncio.sleep(RESTART_PAUSE_S)  # a crash at start: not a tight loop of restarts
                     started[index] = time.monotonic()
@@ -144,8 +143,6 @@ async def ready_check(registry: CollectorRegistry, *, host: str, port: int) -> t
 
 async def supervise(settings: GatewaySettings) -> int:
     """Run ``settings.workers`` workers and the shared /metrics until SIGTERM or SIGINT; returns the exit code."""
-    from prometheus_client.multiprocess import MultiProcessCollector
-
     log_effective("gateway", settings)
     metrics_dir = _metrics_dir()
     try:
