@@ -14,6 +14,7 @@ sidecar would count as a client still there (the health checks close theirs for 
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -25,6 +26,8 @@ from multidict import CIMultiDict
 _SHARED = bytearray(256 * 1024)  # every read of the process goes here first: reads are one after another
 _VIEW = memoryview(_SHARED)
 MAX_HEAD_BYTES = 64 * 1024
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_DECIMAL = re.compile(r"[0-9]{1,18}")  # str.isdigit() would take "²", which int() does not
 HELD_MAX_BYTES = 128 * 1024  # read but not yet relayed, before the backend's socket is read no more
 # Set by the caller on the whole request, not per read; what the framing says, when it cannot be read.
 _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encoding")
@@ -131,7 +134,7 @@ class Answer:
             data = data[end + 4 :]
             version, _, rest = lines[0].partition(" ")
             code = rest[:3]
-            if not version.startswith("HTTP/1.") or not code.isdigit():
+            if not version.startswith("HTTP/1.") or not _DECIMAL.fullmatch(code):
                 raise BadAnswer(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
             if not 100 <= int(code) < 200:
                 break
@@ -145,64 +148,86 @@ class Answer:
         self._chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
         length = self.headers.get("Content-Length")
         if not self._chunked and length is not None:
-            if not length.strip().isdigit():
+            if not _DECIMAL.fullmatch(length.strip()):
                 raise BadAnswer(f"Content-Length {length!r}")
             self._length = int(length)
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The body's bytes, as the connection brings them, its framing taken off; ends where the body does.
+        """The body's bytes, one piece per read of the connection, its framing taken off; ends where the body does.
 
         Raises ConnectionResetError where the connection ends first (a chunked or sized body cut short)."""
         if self._chunked:
-            async for data in self._dechunked():
-                yield data
-            return
+            dechunker = Dechunker()
+            data = dechunker.feed(self._rest)
+            while True:
+                if data:
+                    yield data
+                if dechunker.done:
+                    return
+                block = await self._protocol.next_block()
+                if block is None:
+                    raise ConnectionResetError("the connection closed inside a chunked body")
+                data = dechunker.feed(block)
         left = self._length
-        block: bytes | None = self._rest
-        while block is not None:
+        piece: bytes | None = self._rest
+        while piece is not None:
             if left is not None:
-                block = block[:left]
-                left -= len(block)
-            if block:
-                yield block
+                piece = piece[:left]
+                left -= len(piece)
+            if piece:
+                yield piece
             if left == 0:
                 return
-            block = await self._protocol.next_block()
+            piece = await self._protocol.next_block()
         if left:
             raise ConnectionResetError(f"the connection closed {left} bytes before the body's end")
 
     async def read(self) -> bytes:
         return b"".join([block async for block in self.body()])
 
-    async def _dechunked(self) -> AsyncIterator[bytes]:
-        pending = self._rest
-        size: int | None = None  # bytes left of the chunk being read; None: a size line comes next
-        while True:
-            while pending:
-                if size is None:
-                    line_end = pending.find(b"\r\n")
-                    if line_end < 0:
-                        break
-                    digits = pending[:line_end].split(b";", 1)[0].strip()
-                    try:
-                        size = int(digits, 16)
-                    except ValueError:
-                        raise BadAnswer(f"a chunk size {digits[:20]!r}") from None
-                    pending = pending[line_end + 2 :]
-                    if size == 0:
-                        return  # trailers, if any, are not read: the connection closes
-                    size += 2  # the chunk's own CRLF
-                piece, pending = pending[:size], pending[size:]
-                size -= len(piece)
-                data = piece[: len(piece) - max(0, 2 - size)]
-                if data:
-                    yield data
+
+class Dechunker:
+    """The chunked transfer coding (RFC 9112 section 7.1) taken off a body, as its bytes come; trailers are not read
+    (the connection closes after the last chunk)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._pending = b""  # an unfinished size line
+        self._left: int | None = None  # of the chunk being read, its data and CRLF; None: a size line comes next
+
+    def feed(self, block: bytes) -> bytes:
+        """The data ``block`` completes, in one piece."""
+        data = self._pending + block if self._pending else block
+        out: list[bytes] = []
+        at, end = 0, len(data)
+        while at < end and not self.done:
+            if self._left is None:
+                line_end = data.find(b"\r\n", at)
+                if line_end < 0:
+                    break
+                size = _chunk_size(data[at:line_end])
+                at = line_end + 2
                 if size == 0:
-                    size = None
-            block = await self._protocol.next_block()
-            if block is None:
-                raise ConnectionResetError("the connection closed inside a chunked body")
-            pending += block
+                    self.done = True
+                    break
+                self._left = size + 2
+            take = min(self._left, end - at)
+            useful = min(take, self._left - 2)  # what is data, not the chunk's closing CRLF
+            if useful > 0:
+                out.append(data[at : at + useful])
+            self._left -= take
+            at += take
+            if self._left == 0:
+                self._left = None
+        self._pending = b"" if self.done else data[at:]
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
+def _chunk_size(line: bytes) -> int:
+    digits = line.split(b";", 1)[0].strip()
+    if not _HEX.fullmatch(digits):  # int() would take "-5", "0x5" or "1_0"
+        raise BadAnswer(f"a chunk size {digits[:20]!r}")
+    return int(digits, 16)
 
 
 def request_bytes(url: str, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:

@@ -98,7 +98,12 @@ async def test_a_connection_that_ends_before_the_body_does_is_a_reset(wire: byte
         b"HTTP/1.1 OK\r\n\r\n",
         HEAD + b"no colon here\r\n\r\n",
         HEAD + b"Content-Length: ten\r\n\r\n",
+        HEAD + b"Content-Length: \xb2\r\n\r\n",
+        b"HTTP/1.1 \xb2\xb2\xb2 OK\r\n\r\n",
         HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n\r\n",
     ],
 )
 async def test_bytes_that_are_not_an_http_answer_are_a_bad_answer(wire: bytes) -> None:
