@@ -51,7 +51,8 @@ def _children(pid: int) -> list[int]:
     children: list[int] = []
     with suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
-            children += [int(x) for x in (task / "children").read_text().split()]
+            with suppress(OSError):  # a thread that ended meanwhile
+                children += [int(x) for x in (task / "children").read_text().split()]
     return children
 
 

@@ -4,6 +4,7 @@ started again while the other keeps serving, and /metrics adds every worker up, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -30,7 +31,8 @@ class Tree:
     def workers(self) -> set[int]:
         found: set[int] = set()
         for task in Path(f"/proc/{self.gateway.pid}/task").iterdir():
-            found |= {int(pid) for pid in (task / "children").read_text().split()}
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                found |= {int(pid) for pid in (task / "children").read_text().split()}
         return found
 
     async def metric(self, sample: str) -> float:
@@ -77,9 +79,10 @@ async def tree(tmp_path: Path) -> AsyncIterator[Tree]:
 async def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
         return True
-    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    return state == "Z"  # exited, not yet reaped by its parent
 
 
 async def _listening(port: int, count: int) -> bool:
