@@ -17,6 +17,7 @@ from bench import (
     fleet,
     footprint,
     gateway,
+    gateway_peers,
     inflight_parse,
     node,
     prestop,
@@ -43,6 +44,7 @@ async def run(names: set[str]) -> list[Result]:
         ("waiting", waiting),
         ("faults", faults),
         ("gateway", gateway),
+        ("gateway-peers", gateway_peers),
         ("webhook", webhook),
         ("footprint", footprint),
     )

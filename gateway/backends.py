@@ -10,6 +10,7 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Protocol
 
 import aiohttp
 import structlog
@@ -37,22 +38,34 @@ class Backend:
     refusing: bool = False  # a stall probe found it refusing new connections (until it answers a request again)
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 class Mover:
     """One stream's hold on its backend's response, so the gateway can move the stream elsewhere: before the node
-    goes (cause ``proactive``), or when it stalls on a backend that is going away (``stalled``)."""
+    goes (cause ``proactive``), when it stalls on a backend that is going away (``stalled``), or when the backend
+    has been silent for the read timeout (``timeout``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, silence_s: float | None = None) -> None:
         self.moved = False
         self.cause = "proactive"
         self.heard_at: float | None = None  # monotonic time of the backend's last bytes (None: no response yet)
         self.gap_s: float | None = None  # the backend's usual gap between reads, a moving average
-        self._response: aiohttp.ClientResponse | None = None
+        self.silence_s = silence_s  # the read timeout; None: none
+        self._response: Closable | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
-    def attach(self, response: aiohttp.ClientResponse | None) -> None:
+    def attach(self, response: Closable | None) -> None:
         self._response = response
         self.heard_at = None if response is None else time.monotonic()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if response is not None and self.moved:
             response.close()
+        elif response is not None and self.silence_s is not None:
+            self._timer = asyncio.get_running_loop().call_later(self.silence_s, self._check_silence)
 
     def heard(self, now: float) -> None:
         """The backend sent bytes at ``now``."""
@@ -68,6 +81,18 @@ class Mover:
             self.cause = cause
             if self._response is not None:
                 self._response.close()
+
+    def _check_silence(self) -> None:
+        """The read timeout, as one timer per stream moved on to the last bytes heard when it fires: a timer per read
+        (what aiohttp's ``sock_read`` does) costs a cancel and a new timer for every chunk relayed."""
+        self._timer = None
+        if self._response is None or self.heard_at is None or self.silence_s is None:
+            return
+        left = self.heard_at + self.silence_s - time.monotonic()
+        if left <= 0:
+            self.move("timeout")
+        else:
+            self._timer = asyncio.get_running_loop().call_later(left, self._check_silence)
 
 
 # A prefill can hold a stream's second read back a while: one slow read must not make the usual gap long.

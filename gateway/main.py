@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -20,6 +21,7 @@ from gateway.settings import GatewaySettings, from_arguments
 from gateway.stalls import PROBE_TIMEOUT_S, STALL_CHECK_S, stall_watcher
 from gateway.streaming import Gateway
 from gateway.watch import WatchTimeouts
+from gateway.workers import WORKER_ENV, follow_parent, supervise
 from spotdrain.kube_rest import InCluster
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import probe_app, serve
@@ -29,15 +31,20 @@ from spotdrain.tasks import Role, Supervisor, on_signals
 log = structlog.get_logger()
 
 
-async def api_server(gateway: Gateway, *, after: asyncio.Event, ready_flag: asyncio.Event | None) -> None:
-    """Serves the OpenAI API once /metrics listens (so a ready gateway is always observable); until cancelled."""
+async def api_server(
+    gateway: Gateway, *, after: asyncio.Event, ready_flag: asyncio.Event | None, shared: bool = False
+) -> None:
+    """Serves the OpenAI API once /metrics listens (so a ready gateway is always observable); until cancelled.
+    ``shared``: other workers bind the same port."""
     await after.wait()
     settings = gateway.settings
-    await serve(api_app(gateway), host=settings.host, port=settings.port, ready_flag=ready_flag, name="api")
+    app = api_app(gateway)
+    await serve(app, host=settings.host, port=settings.port, ready_flag=ready_flag, name="api", reuse_port=shared)
 
 
-async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = None) -> int:
-    """Run the gateway until SIGTERM or SIGINT; returns the exit code."""
+async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = None, worker: bool = False) -> int:
+    """Run the gateway until SIGTERM or SIGINT; returns the exit code. A ``worker`` shares the API port with the
+    others, and its parent serves /metrics for all (gateway.workers)."""
     log_effective("gateway", settings)
     registry = CollectorRegistry()
     metrics = GatewayMetrics.create(registry)
@@ -53,18 +60,17 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
             return pool.any_ready(), f"{sum(b.ready for b in pool.backends)} backends ready"
 
         metrics_listening = asyncio.Event()
-        roles: list[Role] = [
-            (
-                "metrics_server",
-                serve(
-                    probe_app(registry, ready=ready),
-                    host=settings.host,
-                    port=settings.metrics_port,
-                    ready_flag=metrics_listening,
-                    name="metrics",
-                ),
-            ),
-            ("api_server", api_server(gateway, after=metrics_listening, ready_flag=ready_flag)),
+        roles: list[Role] = []
+        if worker:
+            metrics_listening.set()
+        else:
+            probes = probe_app(registry, ready=ready)
+            server = serve(
+                probes, host=settings.host, port=settings.metrics_port, ready_flag=metrics_listening, name="metrics"
+            )
+            roles.append(("metrics_server", server))
+        roles += [
+            ("api_server", api_server(gateway, after=metrics_listening, ready_flag=ready_flag, shared=worker)),
             (
                 "health_checker",
                 health_checker(
@@ -104,5 +110,29 @@ def _follower(session: aiohttp.ClientSession, pool: Pool, settings: GatewaySetti
     )
 
 
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (the ``gateway`` extra, and the gateway image), else asyncio's own.
+
+    Measured with bench/gateway_peers.py: stock asyncio reads each socket into a fresh 256 KiB bytes object, above
+    glibc's mmap threshold, so every chunk relayed costs an mmap and a munmap besides its read; libuv reads into one
+    preallocated buffer, and its loop costs less per callback.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(args: argparse.Namespace) -> int:
-    return asyncio.run(run(from_arguments(args)))
+    settings = from_arguments(args)
+    worker = os.environ.get(WORKER_ENV)
+    if worker is None and settings.workers > 1:
+        return asyncio.run(supervise(settings))
+    if worker is not None:
+        follow_parent()
+        structlog.contextvars.bind_contextvars(worker=int(worker))
+    factory = loop_factory()
+    log.info("gateway.event_loop", loop="uvloop" if factory is not None else "asyncio")
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(run(settings, worker=worker is not None))

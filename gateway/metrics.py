@@ -53,14 +53,26 @@ class GatewayMetrics:
                 buckets=GAP_BUCKETS_S,
                 registry=registry,
             ),
-            open_streams=Gauge("spotdrain_gateway_open_streams", "Client streams open now", registry=registry),
+            # With --workers, each worker's gauge is one sample: streams add up over the live workers, and the
+            # backends ready are the most any live worker sees (each checks them itself).
+            open_streams=Gauge(
+                "spotdrain_gateway_open_streams",
+                "Client streams open now",
+                registry=registry,
+                multiprocess_mode="livesum",
+            ),
             backend_errors=Counter(
                 "spotdrain_gateway_backend_errors",
                 "Backend answers that ended abnormally, by kind",
                 ["kind"],
                 registry=registry,
             ),
-            backends_ready=Gauge("spotdrain_gateway_backends_ready", "Backends taking new requests", registry=registry),
+            backends_ready=Gauge(
+                "spotdrain_gateway_backends_ready",
+                "Backends taking new requests",
+                registry=registry,
+                multiprocess_mode="livemax",
+            ),
         )
         zeroed(metrics.requests, "outcome", OUTCOMES)
         zeroed(metrics.continuations, "cause", CAUSES)

@@ -13,10 +13,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway import upstream
 from gateway.backends import Backend, Mover
 from gateway.settings import TimeoutSettings
 from gateway.splice import Broken, End, Splicer
@@ -132,7 +132,6 @@ def _bound_unsent(transport: asyncio.BaseTransport | None) -> None:
 
 
 async def relay(
-    session: aiohttp.ClientSession,
     backend: Backend,
     *,
     path: str,
@@ -148,40 +147,47 @@ async def relay(
 
     ``mover`` may end the answer early (the backend's node is about to go); the caller tells that from a break.
     """
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
-    )
     backend.open_streams += 1
+    answer: upstream.Answer | None = None
     try:
-        async with session.post(backend.url + path, data=body, headers=headers, timeout=timeout) as response:
-            backend.refusing = False
-            mover.attach(response)
-            if response.status >= 500:
-                return Broken("server_error", f"HTTP {response.status}")
-            if response.status != 200:  # the caller tells a refused field, and a refused continuation, from the rest
-                return Rejected(response.status, forwarded(response.headers), await response.read())
-            if not response.headers.get("Content-Type", "").startswith("text/event-stream"):
-                return Broken("garbage", f"Content-Type {response.headers.get('Content-Type')!r}")
-            await client.start(response.headers)
-            if comment:
-                await client.write(comment, content=False)
-            return await _events(response, splicer, client, mover)
+        try:
+            answer = await upstream.connect(backend.url, connect_s=timeouts.connect_s)
+        except TimeoutError:
+            raise  # no connection within connect_s: a timeout, as a silent answer is
+        except OSError as error:
+            return Broken("unavailable", str(error) or type(error).__name__)
+        async with asyncio.timeout(timeouts.read_s):  # the answer's head; from there, the mover bounds the silence
+            await answer.send(path, body, headers)
+        backend.refusing = False
+        mover.attach(answer)
+        if answer.status >= 500:
+            return Broken("server_error", f"HTTP {answer.status}")
+        if answer.status != 200:  # the caller tells a refused field, and a refused continuation, from the rest
+            return Rejected(answer.status, forwarded(answer.headers), await answer.read())
+        if not answer.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return Broken("garbage", f"Content-Type {answer.headers.get('Content-Type')!r}")
+        await client.start(answer.headers)
+        if comment:
+            await client.write(comment, content=False)
+        return await _events(answer, splicer, client, mover)
     except (ClientGone, asyncio.CancelledError):
         raise
     except TimeoutError:
         return Broken("timeout", f"no byte for {timeouts.read_s} s")
-    except aiohttp.ClientConnectorError as error:
-        return Broken("unavailable", str(error))
-    except (aiohttp.ClientError, OSError) as error:
+    except upstream.BadAnswer as error:
+        return Broken("garbage", str(error))
+    except OSError as error:
         return Broken("reset", str(error) or type(error).__name__)
     finally:
         mover.attach(None)
+        if answer is not None:
+            answer.close()
         backend.open_streams -= 1
 
 
-async def _events(response: aiohttp.ClientResponse, splicer: Splicer, client: ClientStream, mover: Mover) -> End:
+async def _events(answer: upstream.Answer, splicer: Splicer, client: ClientStream, mover: Mover) -> End:
     parser = SseParser()
-    async for block in response.content.iter_any():
+    async for block in answer.body():
         mover.heard(time.monotonic())
         try:
             events = parser.feed(block)

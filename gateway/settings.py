@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.cpus import default_workers
 from spotdrain.settings import (
     SettingsError,
     add_flag,
@@ -68,6 +69,7 @@ class GatewaySettings:
     port: int
     metrics_port: int
     max_body_bytes: int
+    workers: int  # processes sharing the API port
 
 
 def _non_negative_int(text: str) -> int:
@@ -137,6 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=15.0,
         help="with --service: seconds before a node's spotdrain.io/termination-time that its streams move",
     )
+    add_flag(
+        parser,
+        "--workers",
+        convert=positive_int,
+        help="gateway processes sharing the API port (SO_REUSEPORT), each restarted if it dies",
+        default_help="the CPUs the container may use, from its cgroup quota",
+    )
     add_flag(parser, "--max-body-bytes", convert=positive_int, default=16 * MIB, help="larger request bodies get 413")
     add_flag(parser, "--connect-timeout", convert=seconds, default=5.0, help="seconds to connect to a backend")
     add_flag(
@@ -198,4 +207,5 @@ def from_arguments(args: argparse.Namespace) -> GatewaySettings:
         port=args.port,
         metrics_port=args.metrics_port,
         max_body_bytes=args.max_body_bytes,
+        workers=args.workers or default_workers(),
     )

@@ -142,10 +142,10 @@ class _Run:
                 comment = b": spotdrain: continued after " + end.cause.encode() + b"\n\n"
 
     async def _send(self, backend: Backend, request: _Request, comment: bytes) -> End | Rejected:
-        mover = Mover()
+        read_s = self.gateway.settings.timeouts.read_s
+        mover = Mover(silence_s=read_s)
         with self.gateway.pool.hold(backend, mover):
             end = await relay(
-                self.gateway.session,
                 backend,
                 path=request.path,
                 body=request.raw,
@@ -157,8 +157,8 @@ class _Run:
                 comment=comment,
             )
         if mover.moved and isinstance(end, Broken):
-            detail = "its node's termination time is near" if mover.cause == "proactive" else "silent, going away"
-            end = Broken(mover.cause, detail)
+            details = {"proactive": "its node's termination time is near", "timeout": f"no byte for {read_s} s"}
+            end = Broken(mover.cause, details.get(mover.cause, "silent, going away"))
         return end
 
     async def _request(self, backend: Backend, original: bytes) -> _Request:

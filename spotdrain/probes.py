@@ -49,13 +49,15 @@ async def serve(
     ready_flag: asyncio.Event | None = None,
     name: str = "probes",
     ssl_context: ssl.SSLContext | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Serve ``app`` (over TLS with ``ssl_context``) until cancelled; sets ``ready_flag`` once the socket listens
-    (tests wait on it)."""
+    (tests wait on it). ``reuse_port``: processes that each bind the port share its connections (SO_REUSEPORT)."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
+        reuse = reuse_port or None  # None: aiohttp's default
+        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse, ssl_context=ssl_context)
         await site.start()
         bound = runner.addresses[0][1] if runner.addresses else port
         log.info("server.listening", server=name, host=host, port=bound)

@@ -1,0 +1,168 @@
+"""``--workers N``: N gateway processes on one API port, each independent, and one /metrics that adds them up.
+
+One event loop uses one core; the Rust routers use every core a container may have. Each worker is a whole gateway
+(its own backends, health checks, EndpointSlice watch, stall and proactive moves) that binds the API port with
+``SO_REUSEPORT``, so the kernel spreads new connections over the workers. The parent only supervises: it serves
+/metrics, /live and /ready from the workers' series (prometheus_client's multiprocess mode: each worker writes its
+samples to files in a directory the parent reads; a dead worker's counts stay, its gauges go), and starts a worker
+again when one dies, while the others keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from gateway.settings import GatewaySettings
+from spotdrain.metrics import CollectorRegistry
+from spotdrain.probes import probe_app, serve
+from spotdrain.settings import log_effective
+from spotdrain.tasks import Supervisor, on_signals
+
+log = structlog.get_logger()
+
+WORKER_ENV = "SPOTDRAIN_GATEWAY_WORKER"  # set, to its index, in a worker's environment by its parent
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it when it is imported
+RESTART_PAUSE_S = 1.0  # a worker that dies within this of its start waits this long before the next start
+# Workers that have not exited this long after SIGTERM are killed: a worker gives its open streams aiohttp's
+# shutdown timeout (60 s), as one gateway process does, and deploy/gateway's grace period is 70 s.
+STOP_GRACE_S = 65.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PROBE_TIMEOUT_S = 1.0
+
+
+def follow_parent() -> None:
+    """In a worker: be sent SIGTERM when the parent dies, so no worker outlives the gateway (Linux; elsewhere a
+    worker whose parent is gone already exits at once)."""
+    parent = int(os.environ.get(WORKER_ENV + "_PARENT", "0"))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _metrics_dir() -> str:
+    """A directory for the workers' samples: in memory where /dev/shm is writable (it is in a container whose root
+    filesystem is read-only), else the temporary directory."""
+    shm = Path("/dev/shm")
+    where = str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix="spotdrain-gateway-metrics-", dir=where)
+
+
+class Workers:
+    """The worker processes: started with the gateway's own command line, started again when one dies."""
+
+    def __init__(self, count: int, argv: Sequence[str], metrics_dir: str) -> None:
+        self.count = count
+        self.argv = list(argv)
+        self.metrics_dir = metrics_dir
+        self.running: dict[int, asyncio.subprocess.Process] = {}  # index -> process
+
+    async def start(self, index: int) -> None:
+        env = {
+            **os.environ,
+            WORKER_ENV: str(index),
+            WORKER_ENV + "_PARENT": str(os.getpid()),
+            METRICS_DIR_ENV: self.metrics_dir,
+        }
+        process = await asyncio.create_subprocess_exec(*self.argv, env=env, stdin=asyncio.subprocess.DEVNULL)
+        self.running[index] = process
+        log.info("gateway.worker_started", worker=index, pid=process.pid)
+
+    async def keep(self) -> None:
+        """Start every worker, and each again when it exits; runs until cancelled, then stops them all."""
+        started: dict[int, float] = {}
+        try:
+            for index in range(self.count):
+                started[index] = time.monotonic()
+                await self.start(index)
+            while True:
+                waits = {asyncio.ensure_future(p.wait()): i for i, p in self.running.items()}
+                done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for future in pending:
+                    future.cancel()
+                for future in done:
+                    index = waits[future]
+                    pid = self.running[index].pid
+                    log.warning("gateway.worker_exited", worker=index, pid=pid, code=future.result())
+                    mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+                    if time.monotonic() - started[index] < RESTART_PAUSE_S:
+                        await asyncio.sleep(RESTART_PAUSE_S)  # a crash at start: not a tight loop of restarts
+                    started[index] = time.monotonic()
+                    await self.start(index)
+        finally:
+            await asyncio.shield(self.stop())
+
+    async def stop(self) -> None:
+        """SIGTERM to every worker; SIGKILL to those still there ``STOP_GRACE_S`` later."""
+        alive = [p for p in self.running.values() if p.returncode is None]
+        for process in alive:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STOP_GRACE_S):
+                await asyncio.gather(*(p.wait() for p in alive))
+        for process in alive:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def ready_check(registry: CollectorRegistry, *, host: str, port: int) -> tuple[bool, str]:
+    """Ready when a worker sees a ready backend and a worker takes connections on the API port (a worker publishes
+    its backends before its API listens)."""
+    ready = 0.0
+    for family in registry.collect():
+        if family.name == "spotdrain_gateway_backends_ready":
+            ready = max((sample.value for sample in family.samples), default=0.0)
+    if ready <= 0:
+        return False, "no backend ready"
+    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            _, writer = await asyncio.open_connection(local, port)
+    except (OSError, TimeoutError):
+        return False, f"{ready:.0f} backends ready, no worker listening on port {port}"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True, f"{ready:.0f} backends ready"
+
+
+async def supervise(settings: GatewaySettings) -> int:
+    """Run ``settings.workers`` workers and the shared /metrics until SIGTERM or SIGINT; returns the exit code."""
+    log_effective("gateway", settings)
+    metrics_dir = _metrics_dir()
+    try:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=metrics_dir)  # type: ignore[no-untyped-call]
+        workers = Workers(settings.workers, [sys.executable, "-m", "spotdrain.cli", *sys.argv[1:]], metrics_dir)
+        stop = asyncio.Event()
+        on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+
+        async def ready() -> tuple[bool, str]:
+            return await ready_check(registry, host=settings.host, port=settings.port)
+
+        metrics = probe_app(registry, ready=ready)
+        ok = await Supervisor(stop).run(
+            [
+                ("metrics_server", serve(metrics, host=settings.host, port=settings.metrics_port, name="metrics")),
+                ("workers", workers.keep()),
+            ]
+        )
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    log.info("gateway.stopped")
+    return 0 if ok else 1

@@ -1,0 +1,92 @@
+"""The gateway-peers benchmark's client counts a stream as exact only when every byte is the engine's: a proxy that
+changes one byte, drops an event or repeats ``[DONE]`` is caught, and an exact stream passes.
+
+The client and the benchmark backend run as processes of their own, as in the benchmark (importing ``bench`` here
+would also configure logging for the whole test session)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from simulate.fakes.processes import free_port, start, wait_http
+from tests.conftest import serving_app
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS = 5
+Mangle = Callable[[list[bytes]], list[bytes]]
+
+
+def engine_events() -> list[bytes]:
+    """The events bench/sse_source.py writes for ``TOKENS`` tokens (their times fixed), and its ``[DONE]``."""
+    code = (
+        "import sys; from bench.sse_source import chunk; "
+        f"sys.stdout.buffer.write(b''.join(chunk(i, last=i == {TOKENS - 1}, ids=False, written_ns=10**9 + i) "
+        f"for i in range({TOKENS})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, check=True, timeout=30).stdout
+    return [event + b"\n\n" for event in out.split(b"\n\n") if event] + [b"data: [DONE]\n\n"]
+
+
+def proxy_app(mangle: Mangle) -> web.Application:
+    """A proxy that answers the engine's events through ``mangle``."""
+    events = mangle(engine_events())
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+        return response
+
+    application = web.Application()
+    application.router.add_post("/v1/completions", completions)
+    return application
+
+
+async def tally_of(port: int) -> dict[str, Any]:
+    spec = {"url": f"http://127.0.0.1:{port}/v1/completions", "count": 1, "body": {"max_tokens": TOKENS}, "spread_s": 0}
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.relay_client", json.dumps(spec), cwd=ROOT, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(child.communicate(), 30)
+    assert child.returncode == 0
+    tally: dict[str, Any] = json.loads(out)
+    return tally
+
+
+async def test_an_untouched_stream_from_the_benchmark_backend_is_exact(tmp_path: Path) -> None:
+    port = free_port()
+    backend = await start(["-m", "bench.sse_source", "--port", str(port), "--interval", "0"], log_path=tmp_path / "b")
+    try:
+        await wait_http(f"http://127.0.0.1:{port}/health", status=200)
+        tally = await tally_of(port)
+    finally:
+        backend.kill()
+        await backend.wait()
+    assert (tally["streams"], tally["exact"], tally["faults"]) == (1, 1, [])
+    assert len(tally["latencies_ms"]) == TOKENS
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        pytest.param(lambda events: [events[0].replace(b'"created":1', b'"created": 1'), *events[1:]], id="one-byte"),
+        pytest.param(lambda events: events[:2] + events[3:], id="dropped-event"),
+        pytest.param(lambda events: [*events, b"data: [DONE]\n\n"], id="two-dones"),
+        pytest.param(lambda events: events[:-1], id="no-done"),
+        pytest.param(lambda events: [events[0].replace(b"null", b'"x"', 1), *events[1:]], id="changed-field"),
+    ],
+)
+async def test_a_stream_a_proxy_changed_is_not_exact(mangle: Mangle) -> None:
+    async with serving_app(proxy_app(mangle)) as port:
+        tally = await tally_of(port)
+    assert (tally["streams"], tally["exact"], len(tally["faults"])) == (1, 0, 1)

@@ -1,0 +1,178 @@
+"""The gateway's own reader of a backend's answer: every framing, however the bytes are split into reads, gives the
+body exactly; a cut, a refusal and bytes that are not HTTP each end it the way the relay names."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway import upstream
+from simulate.fakes.processes import free_port
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Request-Id: abc\r\nX-Twice: 1\r\nX-Twice: 2\r\n"
+
+
+def chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, at = [], 0
+    for size in [*sizes, len(body)]:
+        piece = body[at : at + max(1, size)]
+        if piece:
+            out.append(b"%x;ext=1\r\n%b\r\n" % (len(piece), piece))
+        at += len(piece)
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points) if data[a:b]]
+
+
+def answer_of(blocks: list[bytes], *, closed: bool = True) -> upstream.Answer:
+    """An answer whose connection has already brought ``blocks`` (and ended, when ``closed``)."""
+    protocol = upstream._Protocol()
+    protocol.blocks.extend(blocks)
+    protocol.eof = closed
+    return upstream.Answer(protocol, "http://127.0.0.1:1")
+
+
+async def body_of(answer: upstream.Answer) -> bytes:
+    await answer._read_head()
+    return await answer.read()
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.binary(max_size=300), sizes=st.lists(st.integers(1, 40)), cuts=st.lists(st.integers(0, 10_000)))
+async def test_a_chunked_body_comes_out_whole_however_its_bytes_are_split(
+    body: bytes, sizes: list[int], cuts: list[int]
+) -> None:
+    wire = HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(body, sizes)
+    answer = answer_of(split(wire, cuts))
+    assert await body_of(answer) == body
+    assert answer.status == 200
+    assert answer.headers.getall("X-Twice") == ["1", "2"]
+    assert answer.headers["x-request-id"] == "abc"
+
+
+@settings(max_examples=100, deadline=None)
+@given(body=st.binary(max_size=200), extra=st.binary(max_size=20), cuts=st.lists(st.integers(0, 10_000)))
+async def test_a_sized_body_ends_at_its_length_and_a_closed_one_at_the_close(
+    body: bytes, extra: bytes, cuts: list[int]
+) -> None:
+    sized = HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body + extra
+    assert await body_of(answer_of(split(sized, cuts))) == body
+    assert await body_of(answer_of(split(HEAD + b"\r\n" + body, cuts))) == body
+
+
+async def test_interim_answers_are_passed_over_for_the_final_one() -> None:
+    wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+    wire += HEAD + b"Content-Length: 5\r\n\r\nhello"
+    answer = answer_of(split(wire, [3, 30, 60]))
+    assert await body_of(answer) == b"hello"
+    assert (answer.status, "Link" in answer.headers) == (200, False)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhel",  # inside a chunk
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",  # before the last chunk
+        HEAD + b"Content-Length: 10\r\n\r\nhello",
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n",  # inside the head
+    ],
+)
+async def test_a_connection_that_ends_before_the_body_does_is_a_reset(wire: bytes) -> None:
+    with pytest.raises(ConnectionResetError):
+        await body_of(answer_of([wire]))
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+        b"HTTP/1.1 OK\r\n\r\n",
+        HEAD + b"no colon here\r\n\r\n",
+        HEAD + b"Content-Length: ten\r\n\r\n",
+        HEAD + b"Content-Length: \xb2\r\n\r\n",
+        b"HTTP/1.1 \xb2\xb2\xb2 OK\r\n\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n\r\n",
+    ],
+)
+async def test_bytes_that_are_not_an_http_answer_are_a_bad_answer(wire: bytes) -> None:
+    with pytest.raises(upstream.BadAnswer):
+        await body_of(answer_of([wire]))
+
+
+@asynccontextmanager
+async def server(answer: Callable[[bytes], list[bytes]]) -> AsyncIterator[int]:
+    """A raw server on 127.0.0.1: reads a request's head and body, writes ``answer(request)``, closes."""
+    got: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+        request = head + await reader.readexactly(length)
+        got.append(request)
+        for piece in answer(request):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.close()
+
+    port = free_port()
+    listening = await asyncio.start_server(handle, "127.0.0.1", port)
+    try:
+        yield port
+    finally:
+        listening.close()
+        await listening.wait_closed()
+
+
+async def test_the_request_carries_the_body_and_headers_given_and_asks_to_close_and_the_body_streams_in() -> None:
+    requests: list[bytes] = []
+
+    def answer(request: bytes) -> list[bytes]:
+        requests.append(request)
+        return [HEAD + b"Transfer-Encoding: chunked\r\n\r\n", b"6\r\ndata: \r\n", b"3\r\none\r\n", b"0\r\n\r\n"]
+
+    async with server(answer) as port:
+        url = f"http://127.0.0.1:{port}"
+        got = await upstream.connect(url, connect_s=1)
+        headers = {"Authorization": "Bearer t", "Content-Type": "application/json", "Connection": "keep-alive"}
+        await got.send("/v1/completions", b'{"stream":true}', headers)
+        blocks = [block async for block in got.body()]
+        got.close()
+    assert b"".join(blocks) == b"data: one"
+    head, _, body = requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /v1/completions HTTP/1.1"
+    assert set(lines[1:]) == {
+        f"Host: 127.0.0.1:{port}".encode(),
+        b"Content-Length: 15",
+        b"Connection: close",
+        b"Authorization: Bearer t",
+        b"Content-Type: application/json",
+    }
+    assert body == b'{"stream":true}'
+
+
+async def test_a_refused_connection_is_an_os_error() -> None:
+    with pytest.raises(OSError):  # noqa: PT011 - the relay calls any OSError at connect "unavailable"
+        await upstream.connect(f"http://127.0.0.1:{free_port()}", connect_s=1)
+
+
+async def test_a_backend_that_closes_inside_its_body_ends_the_answer_with_a_reset() -> None:
+    async with server(lambda _: [HEAD + b"Transfer-Encoding: chunked\r\n\r\n", b"5\r\nhel"]) as port:
+        got = await upstream.connect(f"http://127.0.0.1:{port}", connect_s=1)
+        await got.send("/", b"", {})
+        with pytest.raises(ConnectionResetError):
+            await got.read()
+        got.close()

@@ -1,0 +1,98 @@
+"""The gateway-peers figures: added latency is per round against the direct streams of that round, a stream that was
+not exact fails the run, and a ratio to peers that could not run is skipped with their reason, never a figure.
+
+Run in a process of their own: importing ``bench`` configures logging for a benchmark's standard output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIGURES = """
+import json
+from dataclasses import asdict
+from bench.peer_figures import LOADS, Run, Target, added, results
+from bench.peer_routers import Missing
+
+def target(name, per_round_ms, *, cpu_s=0.1, exact=True):
+    runs = [Run([ms] * 100, 1, int(exact), [] if exact else ["event 3"], cpu_s, 1.0) for ms in per_round_ms]
+    measured = Target(name, "http://127.0.0.1:1", None if cpu_s is None else 1, 40.0, 45.0, 20.0)
+    measured.runs = {load.name: list(runs) for load in LOADS}
+    return measured
+
+def named(figures):
+    return {figure.name: asdict(figure) for figure in figures}
+
+direct = target("direct", [1.0, 1.0], cpu_s=None)
+out = {
+    "added": added(target("ours", [1.5, 5.2, 4.0]), target("direct", [1.0, 5.0, 2.0], cpu_s=None), LOADS[0].name, 0.5),
+    "not_exact": named(results([direct, target("ours", [1.1, 1.1], exact=False)], [], ours="ours", peers=[], rounds=2)),
+    "missing": named(
+        results(
+            [direct, target("ours", [1.1, 1.1])],
+            [Missing("vllm-router 0.1.17", "pip install failed: no network")],
+            ours="ours",
+            peers=[],
+            rounds=2,
+        )
+    ),
+    "peers": named(
+        results(
+            [
+                direct,
+                target("ours", [3.0, 3.0], cpu_s=0.3),
+                target("slow router", [4.0, 4.0], cpu_s=0.4),
+                target("fast router", [2.0, 2.0], cpu_s=0.1),
+            ],
+            [],
+            ours="ours",
+            peers=["slow router", "fast router"],
+            rounds=2,
+        )
+    ),
+    "loads": len(LOADS),
+}
+print(json.dumps(out))
+"""
+RATIOS = ("gateway_peers_cpu_per_chunk_ratio_100_streams", "gateway_peers_p99_ratio_100_streams")
+
+
+@pytest.fixture(scope="module")
+def figures() -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", FIGURES], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out: dict[str, Any] = json.loads(done.stdout)
+    return out
+
+
+def test_added_latency_is_the_median_of_each_rounds_difference_to_that_rounds_direct_streams(
+    figures: dict[str, Any],
+) -> None:
+    assert figures["added"] == pytest.approx(0.5)  # differences 0.5, 0.2, 2.0
+
+
+def test_one_stream_that_was_not_exact_fails_the_run_and_says_which_proxy(figures: dict[str, Any]) -> None:
+    exact = figures["not_exact"]["gateway_peers_streams_not_exact"]
+    assert exact["passed"] is False
+    assert exact["value"] == figures["loads"] * 2  # one stream a run, each load, two rounds: every one of ours
+    assert "ours: 0 of" in exact["detail"]
+
+
+def test_ratios_to_peers_that_could_not_run_are_skipped_with_their_reason(figures: dict[str, Any]) -> None:
+    for name in RATIOS:
+        skipped = figures["missing"][name]
+        assert (skipped["value"], skipped["passed"]) == (None, None)
+        assert "no network" in skipped["skipped"]
+
+
+def test_the_ratios_are_to_the_better_peer(figures: dict[str, Any]) -> None:
+    cpu, p99 = (figures["peers"][name] for name in RATIOS)
+    assert (cpu["value"], cpu["passed"]) == (3.0, False)
+    assert (p99["value"], p99["passed"]) == (1.5, True)
+    assert "against fast router" in p99["detail"]
