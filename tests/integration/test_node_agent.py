@@ -119,7 +119,8 @@ async def test_a_restart_mid_drain_resumes_without_marking_twice(kube: Kube, tmp
     imds.schedule_spot("terminate", utcnow() + timedelta(seconds=120))
     async with serving(imds) as url:
         async with agent(kube, url, tmp_path, "--no-evict"):
-            await until(lambda: cordoned(kube))
+            # The Event comes after the cordon: on the real API server it can land after the node is seen cordoned.
+            await until(lambda: cordoned(kube) and len(kube.events()) == 1)
         patches = kube.count("PATCH", "/api/v1/nodes/{name}")
         async with agent(kube, url, tmp_path):
             await until(lambda: kube.pod("ml", "vllm-0") is None and kube.pod("ml", "vllm-1") is None)
