@@ -93,14 +93,12 @@ class ControlPlane:
     etcd_url: str = ""
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def compact(self) -> int:
+    def compact(self) -> None:
         """Compact etcd at its current revision, as the API server itself does every 5 minutes
-        (``--etcd-compaction-interval``); returns that revision. A watch of a resource served from etcd rather than
-        the watch cache (events) from an older resourceVersion is then answered 410 Expired."""
+        (``--etcd-compaction-interval``). A watch of a resource served from etcd rather than the watch cache
+        (events) from an older resourceVersion is then answered 410 Expired."""
         header = _etcd_post(self.etcd_url, "/v3/kv/range", {"key": base64.b64encode(b"/").decode()})["header"]
-        revision = int(header["revision"])
-        _etcd_post(self.etcd_url, "/v3/kv/compaction", {"revision": str(revision), "physical": True})
-        return revision
+        _etcd_post(self.etcd_url, "/v3/kv/compaction", {"revision": header["revision"], "physical": True})
 
     def stop(self) -> None:
         """SIGTERM each process by its pid, newest first, then SIGKILL what has not exited within 2 s (the API

@@ -240,9 +240,11 @@ async def test_a_watch_from_before_a_compaction_gets_a_410_error_event_and_a_new
     both: tuple[Kube, Kube],
 ) -> None:
     """Events have no watch cache, so their watches are served from etcd, whose history a compaction ends (the API
-    server compacts every 5 minutes; the test does it at once). The watch cache of other resources keeps at least
-    75 s of changes and cannot be made to forget cheaply. A watch from before the compaction: 200, one ERROR event
-    with a 410 Expired Status, and the end of the stream; a list then gives a version a watch resumes from."""
+    server compacts every 5 minutes; the test does it at once). Other resources' watch caches cannot be made to
+    forget cheaply: each grows its window, up to 102400 changes, while they are under 75 s old
+    (watch_cache_history.go ``resizeCacheLocked``), and here holds every change since the server started, so even a
+    watch from resourceVersion 1 is served. A watch from before the compaction: 200, one ERROR event with a 410
+    Expired Status, and the end of the stream; a list then gives a version a watch resumes from."""
     event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "reclaim"}, "reason": "SpotInterruption",
              "involvedObject": {"kind": "Node", "name": "gpu-1"}, "message": "1"}  # fmt: skip
     path = "/api/v1/namespaces/default/events"  # where a node's events go, as the agent writes them
@@ -250,7 +252,7 @@ async def test_a_watch_from_before_a_compaction_gets_a_410_error_event_and_a_new
     for kube in both:
         code, made = await ask(kube, "POST", path, event)
         assert code == 201
-        for step in ("2", "3"):  # the compaction lands past the creation's next revision, which etcd would refuse
+        for step in ("2", "3"):  # a watch from the creation starts at its next revision: compact past that one
             await ask(kube, "PATCH", f"{path}/reclaim", {"message": step}, content_type=MERGE)
         kube.compact()
         since = made["metadata"]["resourceVersion"]
