@@ -115,6 +115,10 @@ class RealKube:
     def on_delete(self, hook: DeleteHook) -> None:
         self.kubelet.hooks.append(hook)
 
+    def compact(self) -> None:
+        """Compact etcd at its current revision (``ControlPlane.compact``)."""
+        self.plane.compact()
+
     def count(self, method: str, pattern: str) -> int:
         return sum(1 for c in self.calls if c.method == method and c.pattern == pattern)
 

@@ -7,8 +7,8 @@ field selectors, watch (``simulate.fakes.kube_watch``), create, replace,
 the three patch types, a pod's proxy (``/pods/{name}:{port}/proxy/...``, to 127.0.0.1 only), and graceful pod
 deletion that it finishes after the grace period, as a kubelet would. Tests
 steer it with ``latency_s``, ``fail_next``, ``on_delete``, ``faults`` (hung requests, dropped connections, answers
-that are not JSON: see ``simulate.fakes.faults``) and ``watches`` (``drop()``, ``silence()``), and read what clients
-asked in ``calls``. ``token`` may do anything;
+that are not JSON: see ``simulate.fakes.faults``), ``watches`` (``drop()``, ``silence()``) and ``compact()``, and
+read what clients asked in ``calls``. ``token`` may do anything;
 ``issue_token`` makes tokens that may not do some things (403), and any other token is refused (401).
 """
 
@@ -206,6 +206,10 @@ class FakeKube(Cluster):
     def on_delete(self, hook: DeleteHook) -> None:
         """Call ``hook(pod, grace_s)`` when a pod's deletion starts or its grace period shortens (0: removed)."""
         self.api.hooks.append(hook)
+
+    def compact(self) -> None:
+        """Forget the history of changes, as etcd compaction does: a watch from an older version is answered 410."""
+        self.store.compact()
 
     def count(self, method: str, pattern: str) -> int:
         return sum(1 for c in self.calls if c.method == method and c.pattern == pattern)

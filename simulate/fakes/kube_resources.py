@@ -17,6 +17,9 @@ class Resource:
     namespaced: bool
     has_status: bool  # a status subresource: writes to the object keep status, writes to /status keep spec
     fields: frozenset[str]  # field labels the server accepts in a fieldSelector
+    # Served through the API server's watch cache (True) or straight from etcd: events are not cached
+    # (pkg/registry/cachesize/cachesize.go sets their watch cache size to 0), which changes a too-old watch's answer.
+    watch_cache: bool = True
 
     @property
     def group(self) -> str:
@@ -64,6 +67,7 @@ EVENTS = Resource(
     namespaced=True,
     has_status=False,
     fields=_META | _EVENT_FIELDS | {"reason", "reportingComponent", "source", "type"},
+    watch_cache=False,
 )
 EVENTS_V1 = Resource(
     group_version="events.k8s.io/v1",
@@ -72,6 +76,7 @@ EVENTS_V1 = Resource(
     namespaced=True,
     has_status=False,
     fields=_META | {f"regarding.{f}" for f in ("kind", "namespace", "name", "uid")} | {"reason", "type"},
+    watch_cache=False,
 )
 PDBS = Resource(
     group_version="policy/v1",

@@ -9,10 +9,13 @@ https://kubernetes.io/docs/reference/using-api/api-concepts/#efficient-detection
 - ``resourceVersion=V`` streams every change after V; unset or ``0`` starts with a synthetic ADDED of each object
   that exists now, then the changes. A V that is not a number is a 400.
 - A V older than the history the server still holds: 200 all the same, then one ERROR event whose object is a
-  ``Status`` (``reason: Expired``, ``code: 410``, ``too old resource version: V (oldest)``), and the stream ends
-  (cacher.go: "once we have passed authn/authz/admission, and successfully parsed a resource version, other errors
-  must fail with a watch event of type ERROR, rather than a directly returned error"; watch_cache.go
-  ``getAllEventsSinceLocked``). The client must list again.
+  ``Status`` (``reason: Expired``, ``code: 410``), and the stream ends (cacher.go: "once we have passed
+  authn/authz/admission, and successfully parsed a resource version, other errors must fail with a watch event of
+  type ERROR, rather than a directly returned error"). The message says which history it was: the watch cache's
+  ``too old resource version: V (oldest)`` (watch_cache_history.go ``GetIntervalLocked``), or etcd's, for a
+  resource with no watch cache (events), ``The resourceVersion for the provided watch is too old.`` (etcd3/errors.go
+  ``interpretWatchError`` on a compacted revision; measured on the real API server v1.36.2 after compacting etcd:
+  tests/integration/test_kube_contract.py). The client must list again.
 - Label and field selectors filter as in a list; an object that stops matching is DELETED for that watch, one that
   starts matching ADDED (cache_watcher.go ``convertToWatchEvent``). A DELETED object carries the deletion's
   ``resourceVersion``.
@@ -153,8 +156,7 @@ class Watches:
             items = self.store.items(watcher.target.resource, watcher.target.namespace)
             return [watcher.shown("ADDED", item) for item in items if watcher.selects(item)]
         if version < self.store.oldest() - 1:
-            message = f"too old resource version: {version} ({self.store.oldest() - 1})"
-            return [{"type": "ERROR", "object": KubeError(410, "Expired", message).status()}]
+            return [{"type": "ERROR", "object": self._expired(watcher, version).status()}]
         resource = watcher.target.resource
         events = (watcher.event(c) for c in self.store.changes if c.revision > version and c.resource is resource)
         return [e for e in events if e is not None]
@@ -179,6 +181,11 @@ class Watches:
                 raise ConnectionResetError("the watch was dropped")
             if not watcher.silent:
                 await response.write(_line(event))
+
+    def _expired(self, watcher: Watcher, version: int) -> KubeError:
+        if watcher.target.resource.watch_cache:
+            return KubeError(410, "Expired", f"too old resource version: {version} ({self.store.oldest() - 1})")
+        return KubeError(410, "Expired", "The resourceVersion for the provided watch is too old.")
 
     def _bookmark(self, watcher: Watcher) -> Obj:
         resource = watcher.target.resource

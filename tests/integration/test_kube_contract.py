@@ -229,6 +229,45 @@ async def test_a_watch_of_a_quiet_store_gets_no_bookmark(both: tuple[Kube, Kube]
     assert await asyncio.gather(*(events(kube) for kube in both)) == [[], []]
 
 
+GONE = {
+    "type": "ERROR",
+    "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+               "message": "The resourceVersion for the provided watch is too old.", "reason": "Expired", "code": 410},
+}  # fmt: skip
+
+
+async def test_a_watch_from_before_a_compaction_gets_a_410_error_event_and_a_new_list_resumes(
+    both: tuple[Kube, Kube],
+) -> None:
+    """Events have no watch cache, so their watches are served from etcd, whose history a compaction ends (the API
+    server compacts every 5 minutes; the test does it at once). Other resources' watch caches cannot be made to
+    forget cheaply: each grows its window, up to 102400 changes, while they are under 75 s old
+    (watch_cache_history.go ``resizeCacheLocked``), and here holds every change since the server started, so even a
+    watch from resourceVersion 1 is served. A watch from before the compaction: 200, one ERROR event with a 410
+    Expired Status, and the end of the stream; a list then gives a version a watch resumes from."""
+    event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": "reclaim"}, "reason": "SpotInterruption",
+             "involvedObject": {"kind": "Node", "name": "gpu-1"}, "message": "1"}  # fmt: skip
+    path = "/api/v1/namespaces/default/events"  # where a node's events go, as the agent writes them
+    expired, resumed = [], []
+    for kube in both:
+        code, made = await ask(kube, "POST", path, event)
+        assert code == 201
+        for step in ("2", "3"):  # a watch from the creation starts at its next revision: compact past that one
+            await ask(kube, "PATCH", f"{path}/reclaim", {"message": step}, content_type=MERGE)
+        kube.compact()
+        since = made["metadata"]["resourceVersion"]
+        for watched in (path, "/apis/events.k8s.io/v1/namespaces/default/events"):
+            async with asyncio.timeout(5):  # the stream ends after the error, not at timeoutSeconds
+                expired.append(await watch(kube, f"{watched}?watch=true&resourceVersion={since}&timeoutSeconds=60"))
+        code, listed = await ask(kube, "GET", path)
+        await ask(kube, "PATCH", f"{path}/reclaim", {"message": "4"}, content_type=MERGE)
+        events = await watch(kube, f"{path}?watch=true&resourceVersion={listed['metadata']['resourceVersion']}"
+                                   "&timeoutSeconds=1")  # fmt: skip
+        resumed.append([(code, e["type"], e["object"]["message"]) for e in events])
+    assert expired == [[GONE]] * 4
+    assert resumed == [[(200, "MODIFIED", "4")]] * 2
+
+
 # Who a token is --------------------------------------------------------------------------------------------------
 
 
