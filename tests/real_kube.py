@@ -30,8 +30,9 @@ from tests.real_kubelet import Kubelet
 Obj = dict[str, Any]
 # The namespaces tests put pods in; made once, emptied after each test.
 NAMESPACES = ("ml", "kube-system", "spotdrain", "inference", "default")
-# Events the control plane records (the API server's own, the controllers'), which the fake has no part playing.
-CONTROL_PLANE = frozenset({"apiserver", "controllermanager", "disruption-controller", "endpointslice-controller"})
+# Events the control plane records (the API server's own, the controllers', by the component they name: the
+# EndpointSlice controller's is endpoint-slice-controller), which the fake has no part playing.
+CONTROL_PLANE = frozenset({"apiserver", "controllermanager", "disruption-controller", "endpoint-slice-controller"})
 POD_DROPPED_FIELDS = ("uid", "resourceVersion", "creationTimestamp", "generation")
 
 

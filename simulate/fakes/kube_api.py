@@ -20,7 +20,7 @@ import structlog
 from simulate.fakes.kube_budget import disruption_budget, eviction_refusal, pdb_status
 from simulate.fakes.kube_objects import effective_grace, with_ready_condition
 from simulate.fakes.kube_patch import apply_patch
-from simulate.fakes.kube_resources import NODES, PDBS, PODS, Target
+from simulate.fakes.kube_resources import NAMESPACES, NODES, PDBS, PODS, Target
 from simulate.fakes.kube_select import KubeError, Obj, bad_request
 from simulate.fakes.kube_store import Store, confine, conflict, selected
 from spotdrain.clock import rfc3339
@@ -123,6 +123,8 @@ class Api:
             raise bad_request("the namespace of the provided object does not match the namespace sent on the request")
         if target.resource is NODES:
             body = with_not_ready_taint(body)
+        if target.resource is NAMESPACES:
+            body = with_name_label(body)
         if dry:
             return self.shown(self.store.created(target.resource, target.namespace, body))
         return self.shown(self.store.create(target.resource, target.namespace, body))
@@ -143,6 +145,8 @@ class Api:
         confined = confine(target.resource, target.subresource, stored, new)
         if target.resource is PODS and target.subresource == "status":  # a readiness gate's condition moves Ready
             confined = with_ready_condition(confined, now=self._now())
+        if target.resource is NAMESPACES:
+            confined = with_name_label(confined)
         if dry:
             if expected is not None and expected != stored["metadata"]["resourceVersion"]:
                 raise conflict(target.resource, stored["metadata"]["name"])
@@ -255,6 +259,18 @@ def with_not_ready_taint(node: Obj) -> Obj:
     if not any(t.get("key") == NOT_READY_TAINT["key"] for t in taints):
         taints.append(dict(NOT_READY_TAINT))
     return {**node, "spec": {**spec, "taints": taints}}
+
+
+NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def with_name_label(namespace: Obj) -> Obj:
+    """The API server labels every namespace with its name, on create and on each update (a writer cannot take the
+    label off or change it), so that selectors can pick namespaces by name: NamespaceDefaultLabelName, GA in 1.22,
+    in pkg/registry/core/namespace/strategy.go."""
+    meta = dict(namespace.get("metadata") or {})
+    meta["labels"] = {**(meta.get("labels") or {}), NAME_LABEL: meta.get("name")}
+    return {**namespace, "metadata": meta}
 
 
 def _seconds(value: Any) -> int | None:

@@ -9,6 +9,7 @@ template, owner references name the real owner's uid (a garbage collector delete
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from spotdrain.kube_rest import Access, call
+from spotdrain.retry import ApiError
 
 Obj = dict[str, Any]
 MERGE = "application/merge-patch+json"
@@ -37,6 +39,9 @@ _PATHS = {
         False,
     ),
 }
+# The namespaces an API server makes itself, which ``Builder.empty`` leaves.
+SYSTEM_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
+COLLECTIONS = ("DaemonSet", "Deployment", "PodDisruptionBudget", "EndpointSlice")
 _API_VERSIONS = {prefix: prefix.removeprefix("/apis/").removeprefix("/api/") for prefix, _, _ in _PATHS.values()}
 
 
@@ -48,10 +53,14 @@ def path_of(kind: str, namespace: str | None, name: str | None = None) -> str:
 
 @dataclass
 class Builder:
-    """Writes objects through the API; ``access`` must be allowed to do anything (an admin)."""
+    """Writes objects through the API; ``access`` must be allowed to do anything (an admin). ``pod_network`` is
+    the first three octets of the inference pods' addresses: loopback where a test connects to them (on the fake),
+    10.x elsewhere, since a real API server's EndpointSlice controller refuses loopback endpoints for the pods a
+    Service selects (and records a FailedToUpdateEndpointSlices event each time it retries)."""
 
     session: aiohttp.ClientSession
     access: Access
+    pod_network: str = "127.0.0"
 
     async def create(self, kind: str, name: str, *, namespace: str | None = None, **fields: Any) -> Obj:
         prefix = _PATHS[kind][0]
@@ -69,6 +78,56 @@ class Builder:
     ) -> Obj:
         path = path_of(kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return await call(self.session, self.access, "PATCH", path, body, content_type=MERGE)
+
+    async def empty(self) -> None:
+        """Delete every node, webhook configuration and namespace but the server's own, with what is in them: the
+        cluster ``spotdrain check`` reads is then the one the next test builds, on a server other tests share."""
+        namespaces = await self._items("GET", path_of("Namespace", None))
+        await asyncio.gather(
+            *(self._items("DELETE", path_of(kind, None)) for kind in ("Node", "MutatingWebhookConfiguration")),
+            *(self._delete_namespace(n["metadata"]["name"]) for n in namespaces),
+        )
+        left = [
+            f"{kind}/{name}"
+            for kind in ("Node", "MutatingWebhookConfiguration", "Namespace")
+            for found in await self._items("GET", path_of(kind, None))
+            if (name := found["metadata"]["name"]) not in SYSTEM_NAMESPACES or kind != "Namespace"
+        ]
+        if left:
+            raise RuntimeError(f"still in the cluster after emptying it: {', '.join(left)}")
+
+    async def _delete_namespace(self, name: str) -> None:
+        # What the namespace controller does (pkg/controller/namespace/deletion/namespaced_resources_deleter.go):
+        # delete each kind in it, then PUT /finalize without the "kubernetes" finalizer, and the API server removes
+        # the namespace. No namespace controller runs in the tests' control plane, so this plays it for the kinds
+        # the builder makes (pods at once: no kubelet would end them), and for the events the controllers write.
+        if name in SYSTEM_NAMESPACES:
+            return
+        # Services first, one by one (they have no DELETE of a collection): while a Service with a selector is
+        # there, the EndpointSlice controller remakes the slices deleted next.
+        services = await self._items("GET", path_of("Service", name))
+        await asyncio.gather(
+            *(self._items("DELETE", path_of("Service", name, s["metadata"]["name"])) for s in services)
+        )
+        await asyncio.gather(
+            self._items("DELETE", path_of("Pod", name) + "?gracePeriodSeconds=0"),
+            *(self._items("DELETE", path_of(kind, name)) for kind in COLLECTIONS),
+        )
+        await self._items("DELETE", f"/api/v1/namespaces/{name}/events")
+        terminating = await call(self.session, self.access, "DELETE", path_of("Namespace", None, name))
+        terminating["spec"]["finalizers"] = []
+        await call(self.session, self.access, "PUT", path_of("Namespace", None, name) + "/finalize", terminating)
+
+    async def _items(self, method: str, path: str) -> list[Obj]:
+        """A GET or DELETE of a collection: its items (none when the kind or namespace is already gone)."""
+        try:
+            found = await call(self.session, self.access, method, path)
+        except ApiError as error:
+            if error.status == 404:
+                return []
+            raise
+        items: list[Obj] = found.get("items") or []
+        return items
 
     async def namespace(self, name: str, *, inject: bool = False) -> Obj:
         labels = {"spotdrain.io/inject": "true"} if inject else {}
@@ -225,8 +284,9 @@ async def _webhook(build: Builder) -> None:
         "admissionReviewVersions": ["v1"],
         "sideEffects": "None",
         "failurePolicy": "Ignore",
-        # A real API server calls the webhook for every pod created in a labelled namespace, and no webhook runs
-        # here: each such creation waits this long, then goes on without it (failurePolicy: Ignore).
+        # A real API server calls the webhook for every pod created in a labelled namespace. Its caBundle is no
+        # PEM certificate, so it fails before dialling anything ("could not get REST client: unable to load root
+        # certificates") and creates the pod without it (failurePolicy: Ignore); were it to dial, it waits this long.
         "timeoutSeconds": 1,
         "clientConfig": {
             "service": {"name": "spotdrain-webhook", "namespace": "spotdrain", "path": "/mutate", "port": 443},
@@ -262,7 +322,7 @@ async def _vllm(build: Builder) -> None:
             containers=[engine(), sidecar()],
             labels=labels,
             grace_s=130,
-            pod_ip=f"127.0.0.{index + 2}",  # a pod network of loopback addresses, one per pod
+            pod_ip=f"{build.pod_network}.{index + 2}",
         )
     ports = [{"name": "http", "port": 8000, "protocol": "TCP"}]
     await build.create("Service", "vllm", namespace="inference", spec={"selector": labels, "ports": ports})

@@ -104,6 +104,25 @@ async def test_a_node_created_through_the_api_gets_the_not_ready_taint(both: tup
     )
 
 
+async def test_a_namespace_is_labelled_with_its_name_for_good(both: tuple[Kube, Kube]) -> None:
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "named", "labels": {"team": "llm"}}}
+    created = await on_both(both, "POST", "/api/v1/namespaces", namespace)
+    unlabel = {"metadata": {"labels": {"kubernetes.io/metadata.name": None, "team": None}}}
+    patched = await on_both(both, "PATCH", "/api/v1/namespaces/named", unlabel, content_type=MERGE)
+    fake, real = both
+    await ask(fake, "DELETE", "/api/v1/namespaces/named")
+    # No namespace controller runs to finalize the real one: take its finalizer off as that controller does.
+    code, terminating = await ask(real, "DELETE", "/api/v1/namespaces/named")
+    assert code == 200
+    terminating["spec"]["finalizers"] = []
+    assert (await ask(real, "PUT", "/api/v1/namespaces/named/finalize", terminating))[0] == 200
+    labels = {"team": "llm", "kubernetes.io/metadata.name": "named"}
+    assert [(code, body["metadata"]["labels"]) for code, body in created] == [(201, labels)] * 2
+    assert [(code, body["metadata"]["labels"]) for code, body in patched] == [
+        (200, {"kubernetes.io/metadata.name": "named"})
+    ] * 2
+
+
 async def test_a_dry_run_patch_answers_the_change_and_stores_nothing(both: tuple[Kube, Kube]) -> None:
     versions = []
     for kube in both:
