@@ -6,9 +6,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.cache.fetch.settings import MIB
+from agent.cache.fetch.settings import MIB, add_transfer_arguments
 from spotdrain.retry import BACKOFF_S
-from spotdrain.settings import add_flag, add_switch, http_url, port, positive_int, require, seconds
+from spotdrain.settings import add_flag, add_switch, port, require, seconds
 
 
 @dataclass(frozen=True)
@@ -42,18 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kubeconfig file",
         default_help="the in-cluster service account, else ~/.kube/config",
     )
-    add_flag(parser, "--model-cache-path", default="/mnt/model-cache", help="where the cache is mounted")
-    add_flag(parser, "--aws-endpoint-url", convert=http_url, help="S3 endpoint (S3-compatible servers, tests)")
-    add_flag(
-        parser,
-        "--aws-region",
-        aliases=("AWS_REGION", "AWS_DEFAULT_REGION"),
-        help="region of the buckets",
-        default_help="boto3's configuration, else us-east-1; each bucket's own region is followed",
-    )
-    add_flag(parser, "--concurrency", convert=positive_int, default=32, help="parts downloaded at once")
-    add_flag(parser, "--part-size-mib", convert=positive_int, default=16, help="bytes per ranged request, in MiB")
-    add_flag(parser, "--request-timeout", convert=seconds, default=30.0, help="seconds a request may go without a byte")
+    add_transfer_arguments(parser)
     add_switch(
         parser,
         "--model-cache-wait-for-models",

@@ -47,6 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="s3://bucket/prefix/ (every object under it) or hf+https://host/base/ORG/REPO[@REVISION]",
     )
     add_flag(parser, "--name", help="the model's directory: <cache>/models/NAME", default_help="required")
+    add_transfer_arguments(parser)
+    add_switch(
+        parser,
+        "--wait",
+        default=False,
+        help="for an init container: wait for another fetch of NAME and retry transient failures until complete",
+    )
+    add_flag(parser, "--progress-interval", convert=seconds, default=5.0, help="seconds between progress log lines")
+
+
+def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the cache is and how models are downloaded into it: `cache fetch`'s flags that `cache prefetch` shares."""
     add_flag(parser, "--model-cache-path", default="/mnt/model-cache", help="where the cache is mounted")
     add_flag(parser, "--aws-endpoint-url", convert=http_url, help="S3 endpoint (S3-compatible servers, tests)")
     add_flag(
@@ -58,14 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(parser, "--concurrency", convert=positive_int, default=32, help="parts downloaded at once")
     add_flag(parser, "--part-size-mib", convert=positive_int, default=16, help="bytes per ranged request, in MiB")
-    add_switch(
-        parser,
-        "--wait",
-        default=False,
-        help="for an init container: wait for another fetch of NAME and retry transient failures until complete",
-    )
     add_flag(parser, "--request-timeout", convert=seconds, default=30.0, help="seconds a request may go without a byte")
-    add_flag(parser, "--progress-interval", convert=seconds, default=5.0, help="seconds between progress log lines")
 
 
 def from_arguments(args: argparse.Namespace) -> FetchSettings:
