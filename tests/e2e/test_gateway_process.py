@@ -55,7 +55,8 @@ async def processes(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIter
     try:
         for engine_port in ports:
             await wait_http(f"http://127.0.0.1:{engine_port}/health", status=200)
-        await wait_http(f"http://127.0.0.1:{port}/health", status=200)
+        # A parent and a worker per CPU start here: on a loaded machine that takes more than a few seconds.
+        await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=30)
         yield Setup(engines, ports, gateway, port, metrics_port)
     finally:
         for process in (gateway, *engines):

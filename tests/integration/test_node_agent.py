@@ -155,7 +155,8 @@ async def test_a_restart_keeps_the_first_deadline_of_an_asg_termination(kube: Ku
     with capture_logs() as logs:
         async with serving(imds) as url:
             async with agent(kube, url, tmp_path, "--no-evict"):
-                await until(lambda: cordoned(kube))
+                # The Event comes after the cordon: on the real API server it can land after the node is seen cordoned.
+                await until(lambda: cordoned(kube) and len(kube.events()) == 1)
             first = kube.node("gpu-1")["metadata"]["annotations"][TERMINATION_TIME]
             async with agent(kube, url, tmp_path, "--no-evict") as notice_port:
                 await until(lambda: handled(logs) == 2)
