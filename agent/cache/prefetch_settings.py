@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.cache.fetch.settings import MIB, add_transfer_arguments
+from agent.cache.fetch.settings import add_transfer_arguments, transfer_values
 from spotdrain.retry import BACKOFF_S
 from spotdrain.settings import add_flag, add_switch, port, require, seconds
 
@@ -70,19 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_arguments(args: argparse.Namespace) -> PrefetchSettings:
     """Build and validate the settings; raises SettingsError with the flag's name and the reason."""
     require(bool(args.node_name), "--node-name (or NODE_NAME) is required")
-    path = Path(args.model_cache_path)
-    require(path.is_absolute() and path != Path("/"), "--model-cache-path must be an absolute path other than /")
-    require(args.request_timeout > 0, "--request-timeout must be more than 0")
     require(args.retry_failed > 0, "--retry-failed must be more than 0")
     return PrefetchSettings(
         node_name=args.node_name,
         kubeconfig=args.kubeconfig or None,
-        cache_path=path,
-        aws_endpoint_url=args.aws_endpoint_url or None,
-        aws_region=args.aws_region or None,
-        concurrency=args.concurrency,
-        part_size_bytes=args.part_size_mib * MIB,
-        request_timeout_s=args.request_timeout,
+        **transfer_values(args),
         wait_for_models=args.model_cache_wait_for_models,
         retry_failed_s=args.retry_failed,
         host=args.host,

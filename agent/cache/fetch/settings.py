@@ -6,6 +6,7 @@ import argparse
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agent.cache.fetch.sources import Source, parse_source
 from spotdrain.retry import BACKOFF_S
@@ -81,21 +82,28 @@ def from_arguments(args: argparse.Namespace) -> FetchSettings:
         raise SettingsError(f"SOURCE: {error}") from None
     require(bool(args.name), "--name is required")
     require(_NAME.fullmatch(args.name) is not None, "--name must be letters, digits, '.', '-' or '_', not dot first")
-    path = Path(args.model_cache_path)
-    require(path.is_absolute() and path != Path("/"), "--model-cache-path must be an absolute path other than /")
-    require(args.request_timeout > 0, "--request-timeout must be more than 0")
     return FetchSettings(
         source=source,
         name=args.name,
-        cache_path=path,
-        aws_endpoint_url=args.aws_endpoint_url or None,
-        aws_region=args.aws_region or None,
-        concurrency=args.concurrency,
-        part_size_bytes=args.part_size_mib * MIB,
         wait=args.wait,
-        request_timeout_s=args.request_timeout,
         progress_interval_s=args.progress_interval or 5.0,
+        **transfer_values(args),
     )
+
+
+def transfer_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The validated values of ``add_transfer_arguments``' flags, by the field names both commands' settings use."""
+    path = Path(args.model_cache_path)
+    require(path.is_absolute() and path != Path("/"), "--model-cache-path must be an absolute path other than /")
+    require(args.request_timeout > 0, "--request-timeout must be more than 0")
+    return {
+        "cache_path": path,
+        "aws_endpoint_url": args.aws_endpoint_url or None,
+        "aws_region": args.aws_region or None,
+        "concurrency": args.concurrency,
+        "part_size_bytes": args.part_size_mib * MIB,
+        "request_timeout_s": args.request_timeout,
+    }
 
 
 __all__ = ["FetchSettings", "SettingsError", "add_arguments", "from_arguments"]
