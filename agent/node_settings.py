@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from agent.cache.settings import CacheSettings, add_cache_arguments
 from agent.cache.settings import from_arguments as cache_from_arguments
-from spotdrain.settings import add_flag, add_switch, http_url, port, positive_int, require, seconds
+from spotdrain.settings import add_flag, add_kubeconfig_flag, add_switch, http_url, port, positive_int, require, seconds
 
 # The Kubernetes API rate limit by mode, (calls per second, burst). In queue mode one Deployment marks and drains
 # every node of the cluster, so it gets the limits of Karpenter, the controller that acts on the same interruptions
@@ -91,13 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(parser, "--sqs-wait-time", convert=seconds, default=20.0, help="SQS long-polling wait, at most 20 s")
     add_flag(parser, "--sqs-max-in-flight", convert=positive_int, default=200, help="messages handled at once")
-    add_flag(
-        parser,
-        "--kubeconfig",
-        aliases=("KUBECONFIG",),
-        help="kubeconfig file",
-        default_help="the in-cluster service account, else ~/.kube/config",
-    )
+    add_kubeconfig_flag(parser)
     queue_qps, queue_burst = API_LIMITS["queue"]
     imds_qps, imds_burst = API_LIMITS["imds"]
     add_flag(

@@ -126,6 +126,17 @@ def add_flag(
     )
 
 
+def add_kubeconfig_flag(parser: argparse.ArgumentParser) -> None:
+    """``--kubeconfig`` (or ``KUBECONFIG``), as every program that talks to the Kubernetes API takes it."""
+    add_flag(
+        parser,
+        "--kubeconfig",
+        aliases=("KUBECONFIG",),
+        help="kubeconfig file",
+        default_help="the in-cluster service account, else ~/.kube/config",
+    )
+
+
 def add_switch(
     parser: argparse.ArgumentParser,
     flag: str,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agent.cache.fetch.settings import add_transfer_arguments, transfer_values
 from spotdrain.retry import BACKOFF_S
-from spotdrain.settings import add_flag, add_switch, port, require, seconds
+from spotdrain.settings import add_flag, add_kubeconfig_flag, add_switch, port, require, seconds
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flag(
         parser, "--node-name", aliases=("NODE_NAME",), help="the node whose models to fetch", default_help="required"
     )
-    add_flag(
-        parser,
-        "--kubeconfig",
-        aliases=("KUBECONFIG",),
-        help="kubeconfig file",
-        default_help="the in-cluster service account, else ~/.kube/config",
-    )
+    add_kubeconfig_flag(parser)
     add_transfer_arguments(parser)
     add_switch(
         parser,

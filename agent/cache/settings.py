@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from spotdrain.settings import add_flag, add_switch, require
+from spotdrain.settings import add_flag, add_kubeconfig_flag, add_switch, require
 
 FILESYSTEMS = ("xfs", "ext4")
 # md names live in the superblock beside the host name, in 32 bytes; keep them short and plain.
@@ -102,13 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     )
     add_flag(parser, "--node-name", aliases=("NODE_NAME",), help="label and untaint this node once the cache is ready")
-    add_flag(
-        parser,
-        "--kubeconfig",
-        aliases=("KUBECONFIG",),
-        help="kubeconfig file",
-        default_help="the in-cluster service account, else ~/.kube/config",
-    )
+    add_kubeconfig_flag(parser)
 
 
 def from_arguments(args: argparse.Namespace) -> CacheSettings:
