@@ -329,3 +329,22 @@ async def test_once_exits_0_with_the_models_ready_and_1_after_a_failure_retrying
     assert process.returncode == (0 if mended else 1), err.decode()
     assert model_labels(kube) == {"spotdrain.io/model.b": "ready" if mended else "failed"}
     assert (cache / "models" / "b").is_dir() == mended
+
+
+async def test_an_api_server_failing_the_label_patches_for_a_while_still_ends_with_the_model_labelled_ready(
+    mirrors: dict[str, tuple[FaultyServer, str]], cache: Path, tmp_path: Path
+) -> None:
+    kube = await cluster(f"b={mirrors['b'][1]}", taints=[GPU])
+    kube.fail_next("GET", r"/api/v1/nodes/gpu-1$", 503, count=2)
+    kube.fail_next("PATCH", r"/api/v1/nodes/gpu-1$", 500, count=2)
+    try:
+        with capture_logs() as logs:
+            await prefetch(
+                kube, settings_for(cache, kube.write_kubeconfig(tmp_path / "kubeconfig")), CollectorRegistry()
+            )
+        labels = model_labels(kube)
+    finally:
+        await kube.stop()
+    assert labels == {"spotdrain.io/model.b": "ready"}
+    assert any(log["event"] == "api.retry" for log in logs)
+    assert (cache / "models" / "b" / "config.json").read_bytes() == FILES["b"]["config.json"]
