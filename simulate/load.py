@@ -121,3 +121,27 @@ def parse_line(raw: bytes) -> Line:
         return Line()
     tokens = len(ids) if isinstance(ids, list) else 1
     return Line(tokens, finish=finish if isinstance(finish, str) else None)
+
+
+PACE_TOKENS = 16
+
+
+async def pace(urls: Sequence[str], *, streams: int, timeout_s: float = 120.0) -> float:
+    """The tokens per second each of ``streams`` concurrent streams gets from engines that pace themselves (real
+    vLLM), the streams spread over ``urls``: the slowest stream's rate, its first token's wait included."""
+    loop = asyncio.get_running_loop()
+    body = {"prompt": "pace", "max_tokens": PACE_TOKENS, "stream": True, "return_token_ids": True, "ignore_eos": True}
+
+    async def one(session: aiohttp.ClientSession, url: str) -> float:
+        started = loop.time()
+        received = 0
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                received += parse_line(raw).tokens
+        return received / max(loop.time() - started, 1e-3)
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        rates = await asyncio.gather(*(one(session, urls[i % len(urls)]) for i in range(streams)))
+    return min(rates)

@@ -15,11 +15,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import aiohttp
 import structlog
 
 from simulate.baselines import SPOTDRAIN, Way
 from simulate.cluster import NODE, STARTUP_S, Cluster, startup_s
-from simulate.load import Hops, Load
+from simulate.load import Hops, Load, pace
 from simulate.nth import nth_style
 from simulate.observe import node_watcher
 from simulate.probes import http_probe
@@ -148,10 +149,12 @@ async def _play(
         tasks.start(node_watcher(lambda: cluster.kube.node(NODE), recorder, name=NODE), "node-watcher")
         if cluster.way.evicts:
             tasks.start(nth_style(cluster.nth_target(), recorder, scale=t.scale), "nth-style")
-        load = _load(settings, scenario, recorder, router_url=router_url, hops=router.hops)
+        tokens_per_s, paced = await _tokens_per_s(settings, cluster)
+        load = _load(settings, scenario, recorder, router_url=router_url, hops=router.hops, tokens_per_s=tokens_per_s)
         shape = f"{settings.pods} pods x {settings.streams_per_pod}"
         via = "the gateway and the router" if settings.gateway else "the router"
-        recorder.record(Kind.LOAD_STARTED, "load", f"{load.slots} concurrent streams through {via} ({shape})")
+        text = f"{load.slots} concurrent streams through {via} ({shape}){paced}"
+        recorder.record(Kind.LOAD_STARTED, "load", text)
         load_task = tasks.start(load.run(), "load")
         await asyncio.sleep(t.warmup_s)  # a set time of load before the notice, not a wait for anything
         if scenario.lose_node:
@@ -217,6 +220,23 @@ async def _route(cluster: Cluster, recorder: Recorder, tasks: _Tasks, *, poll_s:
     return router, (await cluster.start_gateway(url) if cluster.settings.gateway else url)
 
 
+async def _tokens_per_s(settings: SimulationSettings, cluster: Cluster) -> tuple[float, str]:
+    """The rate the streams' lengths are reckoned at, and what to say of it. The fake engine streams at
+    ``--tokens-per-second``; real vLLM at whatever the machine gives, measured here with as many streams at once as
+    the load opens, so that a stream meant to last a few seconds does (a slower machine would otherwise draw streams
+    longer than the drain window and call them cut)."""
+    if settings.engine != "vllm":
+        return settings.tokens_per_s, ""
+    urls = [f"http://127.0.0.1:{pod.engine_port}" for pod in cluster.kubelet.pods.values()]
+    try:
+        measured = await pace(urls, streams=settings.pods * settings.streams_per_pod)
+    except (aiohttp.ClientError, TimeoutError) as error:
+        log.warning("simulation.pace_unmeasured", error=repr(error))
+        return settings.tokens_per_s, ""
+    rate = min(settings.tokens_per_s, measured)
+    return rate, f"; vLLM gives each {measured:.1f} tokens/s here, lengths reckoned at {rate:.1f}"
+
+
 def _load(
     settings: SimulationSettings,
     scenario: Scenario,
@@ -224,6 +244,7 @@ def _load(
     *,
     router_url: str,
     hops: Hops,
+    tokens_per_s: float,
 ) -> Load:
     rng = random.Random(settings.seed)
     t = settings.timings
@@ -234,7 +255,7 @@ def _load(
         )
 
     slots = settings.pods * settings.streams_per_pod
-    return Load(router_url, recorder, slots=slots, length_s=length_s, tokens_per_s=settings.tokens_per_s, hops=hops)
+    return Load(router_url, recorder, slots=slots, length_s=length_s, tokens_per_s=tokens_per_s, hops=hops)
 
 
 async def _until_empty(cluster: Cluster, recorder: Recorder, *, deadline_at: float) -> None:
