@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aiohttp import web
 
-from simulate.load import Load
+from simulate.load import PACE_TOKENS, Load, pace
 from simulate.router import POD_HEADER
 from simulate.timeline import Kind, Outcome, Recorder
 from tests.conftest import serving_app
@@ -67,3 +68,44 @@ async def test_after_a_cut_stream_the_next_request_is_answered_not_lost_on_the_c
             await asyncio.wait_for(load.run(), 5)
         outcomes = [(r.outcome, r.pod) for r in recorder.streams]
         assert outcomes == [(Outcome.CUT, "vllm-0"), (Outcome.REFUSED, None)]
+
+
+async def test_the_pace_is_the_slowest_streams_tokens_per_second_over_every_engine() -> None:
+    """Two engines that pace themselves, one at 100 tokens a second and one at 25: the slowest stream's rate, each
+    token counted by its id, and every engine asked."""
+    asked: list[int] = []
+
+    def engine(tokens_per_s: float) -> web.Application:
+        async def completions(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            asked.append(body["max_tokens"])
+            assert body["ignore_eos"] is True  # the tiny model's end of sequence would end the measure early
+            response = web.StreamResponse()
+            await response.prepare(request)
+            for token in range(body["max_tokens"]):
+                await asyncio.sleep(1 / tokens_per_s)
+                await response.write(b'data: {"choices":[{"text":"t","token_ids":[%d]}]}\n\n' % token)
+            await response.write(b"data: [DONE]\n\n")
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        return app
+
+    async with serving_app(engine(100)) as fast, serving_app(engine(25)) as slow:
+        urls = [f"http://127.0.0.1:{fast}", f"http://127.0.0.1:{slow}"]
+        rate = await pace(urls, streams=4)
+    assert asked == [PACE_TOKENS] * 4
+    assert 5 < rate <= 25  # not the fast engine's, nor an average
+
+
+async def test_an_engine_that_does_not_answer_in_time_leaves_the_pace_unmeasured() -> None:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(1)  # past the pace's timeout
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving_app(app) as port:
+        with pytest.raises(TimeoutError):
+            await pace([f"http://127.0.0.1:{port}"], streams=2, timeout_s=0.2)
