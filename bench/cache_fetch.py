@@ -12,8 +12,9 @@ a tool whose run produced other bytes, or failed, gets no figure, only the reaso
 
 Reference rows say which side is the bottleneck: the filesystem's own sequential write rate on the destination
 (16 MiB writes of the model's size, then fsync), the source's rate for plain GETs (curl, signed with the server's
-keys), and what each kind of checksum a fetch checks a file against costs a core (the server gives MD5 ETags only,
-as S3 does for an object uploaded without a checksum; S3 gives objects uploaded since December 2024 a CRC64NVME).
+keys), and what each kind of checksum a fetch checks a file against costs a core. The tools run twice over: with the
+server giving MD5 ETags only, as S3 does for an object uploaded without a checksum, then with a CRC64NVME beside
+each, as S3 keeps for every object uploaded since December 2024 (``s3_source.keep_crc64nvme``).
 
 The targets from the model-cache issue: ours at least 1.0x s5cmd's throughput at each tool's defaults and tuned;
 within 10 % of the disk's write rate where the source is faster than the disk; ours at most 150 MB resident.
