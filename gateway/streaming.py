@@ -90,7 +90,7 @@ class _Run:
         self.body = body
         self.chat = chat
         self.splicer = splicer
-        self.headers: CIMultiDict[str] = CIMultiDict(request.headers)
+        self.headers = request.headers  # read only: the request holds them for the stream's life, no copy needed
         self.client = ClientStream(
             request, write_timeout_s=gateway.settings.timeouts.read_s, on_gap=gateway.metrics.splice_gap.observe
         )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from typing import cast
 from urllib.parse import urlsplit
@@ -40,7 +39,7 @@ class BadAnswer(Exception):
 class _Protocol(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.blocks: deque[bytes] = deque()
+        self.blocks: list[bytes] = []  # a list, not a deque: an open stream holds one, and a deque is 600 bytes
         self.held = 0  # bytes in ``blocks``
         self.paused = False
         self.eof = False
@@ -76,7 +75,7 @@ class _Protocol(asyncio.BufferedProtocol):
             self._waiter.set_result(None)
 
     async def next_block(self) -> bytes | None:
-        """The next bytes read, or None once the connection has ended."""
+        """Every byte read since the last call, as one block, or None once the connection has ended."""
         while not self.blocks:
             if self.eof:
                 if self.error is not None:
@@ -87,8 +86,9 @@ class _Protocol(asyncio.BufferedProtocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        block = self.blocks.popleft()
-        self.held -= len(block)
+        block = self.blocks[0] if len(self.blocks) == 1 else b"".join(self.blocks)
+        self.blocks.clear()
+        self.held = 0
         if self.paused and self.held <= HELD_MAX_BYTES // 4 and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
