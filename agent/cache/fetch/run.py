@@ -30,6 +30,12 @@ from agent.cache.fetch.transfer import FetchError, disk_error
 from spotdrain.settings import log_effective
 
 log = structlog.get_logger()
+# What each connection may hold read but not yet taken (aiohttp's read_bufsize, 64 KiB by default) before it stops
+# reading the socket. At 1 MiB, as much as the fetch gathers for one write, the loop handles a few large reads where
+# it handled many small ones: in interleaved runs on bench.cache_fetch's source (2 GiB, CRC64NVMEs, 2 cores) 10% less
+# CPU per GiB and 5-10% more throughput than at 64 KiB, and 4 MiB was no better. It costs at most 1 MiB a connection
+# more in memory, where a slow disk lets it fill.
+READ_BUFFER = 1024 * 1024
 
 
 async def fetch(settings: FetchSettings, *, watch: Callable[[Progress], None] | None = None) -> Path:
@@ -61,7 +67,9 @@ async def _fetch_locked(settings: FetchSettings, watch: Callable[[Progress], Non
         sock_read=settings.request_timeout_s,
     )
     connector = aiohttp.TCPConnector(limit=settings.concurrency)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=True) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, trust_env=True, read_bufsize=READ_BUFFER
+    ) as session:
         listing = _listing(settings, session, timeout)
         files = _checked_listing(await listing.files(), settings)
         staging, record = staging_dir(settings.models, settings.name, str(settings.source))
