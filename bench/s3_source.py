@@ -27,6 +27,7 @@ from pathlib import Path
 import boto3
 from awscrt import checksums
 from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
 
 BUCKET = "bench"
 PREFIX = "model/"
@@ -209,7 +210,7 @@ def rclone_s3(rclone: str, root: Path, *, log_path: Path) -> Iterator[Server]:
 def keep_crc64nvme(server: Server, source: Model) -> str | None:
     """PUT every file of the model again through the server with its CRC64NVME, as S3 keeps one for every object
     uploaded since December 2024, so that ``HeadObject`` with ``ChecksumMode=ENABLED`` answers it beside the MD5 ETag.
-    ``rclone serve s3`` keeps such a checksum in memory for as long as it runs (seen with rclone 1.71: gone after a
+    ``rclone serve s3`` keeps such a checksum in memory for as long as it runs (seen with rclone 1.75: gone after a
     restart), so this comes after every run that is to see MD5 ETags only. Why it could not be done, or None."""
     config = Config(request_checksum_calculation="when_required", retries={"max_attempts": 1})
     client = boto3.client(
@@ -221,16 +222,14 @@ def keep_crc64nvme(server: Server, source: Model) -> str | None:
         config=config,
     )
     for path in source.files:
-        crc = 0
-        with path.open("rb", buffering=0) as file:
-            while block := file.read(BLOCK):
-                crc = checksums.crc64nvme(block, crc)
-        value = base64.b64encode(crc.to_bytes(8, "big")).decode()
+        data = path.read_bytes()  # rclone serve s3 writes the object to this same path: the bytes are read first
+        value = base64.b64encode(checksums.crc64nvme(data).to_bytes(8, "big")).decode()
         key = f"{PREFIX}{path.name}"
-        with path.open("rb") as body:
-            data = body.read()  # rclone serve s3 writes the object to the same path: the bytes are read first
-        client.put_object(Bucket=BUCKET, Key=key, Body=data, ChecksumCRC64NVME=value)
-        kept = client.head_object(Bucket=BUCKET, Key=key, ChecksumMode="ENABLED").get("ChecksumCRC64NVME")
+        try:
+            client.put_object(Bucket=BUCKET, Key=key, Body=data, ChecksumCRC64NVME=value)
+            kept = client.head_object(Bucket=BUCKET, Key=key, ChecksumMode="ENABLED").get("ChecksumCRC64NVME")
+        except (BotoCoreError, ClientError) as error:
+            return f"{server.version} did not take {key} again with its CRC64NVME: {error}"
         if kept != value:
             return f"{server.version} did not keep the CRC64NVME it was given with the object (HeadObject: {kept!r})"
     return None

@@ -178,3 +178,18 @@ def test_each_target_is_judged_only_where_both_of_its_figures_were_measured() ->
     assert (slow["cache_fetch_peak_rss"]["value"], slow["cache_fetch_peak_rss"]["passed"]) == (151.0, False)
     assert (fast["model_prefetch_peak_rss"]["value"], fast["model_prefetch_peak_rss"]["passed"]) == (140.0, True)
     assert (slow["model_prefetch_peak_rss"]["value"], slow["model_prefetch_peak_rss"]["passed"]) == (160.0, False)
+
+
+NO_SERVER = """
+import json, os, sys
+from pathlib import Path
+from bench.s3_source import Server, keep_crc64nvme, model
+
+source = model(Path(sys.argv[1]) / "models", total_bytes=1024**2, files=1)
+print(json.dumps(keep_crc64nvme(Server("http://127.0.0.1:9", "key", "secret", os.getpid(), "nothing"), source)))
+"""
+
+
+def test_a_source_that_will_not_take_the_checksums_says_why(tmp_path: Path) -> None:
+    why = run_code(NO_SERVER, str(tmp_path))
+    assert why.startswith("nothing did not take model/model-00001-of-00001.safetensors again with its CRC64NVME: ")
