@@ -234,7 +234,9 @@ async def test_a_watch_sends_a_bookmark_for_changes_its_selector_leaves_out(both
 
     for events, version in await asyncio.gather(*(bookmarks(kube) for kube in both)):
         assert {e["type"] for e in events} == {"BOOKMARK"}
-        assert events[-1]["object"]["metadata"]["resourceVersion"] == version
+        # At least the change to gpu-2: on the real control plane other writes (the controller-manager's leases) may
+        # land before the bookmark and move the newest version on. Both servers count versions up as etcd does.
+        assert int(events[-1]["object"]["metadata"]["resourceVersion"]) >= int(version)
         assert {e["object"]["kind"] for e in events} == {"Node"}
 
 
