@@ -89,7 +89,7 @@ class _Protocol(asyncio.BufferedProtocol):
         block = self.blocks[0] if len(self.blocks) == 1 else b"".join(self.blocks)
         self.blocks.clear()
         self.held = 0
-        if self.paused and self.held <= HELD_MAX_BYTES // 4 and self.transport is not None:
+        if self.paused and self.transport is not None:  # nothing is held now: the backend's socket is read again
             self.paused = False
             self.transport.resume_reading()
         return block
