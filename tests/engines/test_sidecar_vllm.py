@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,28 +88,40 @@ async def httpx_stream(client: httpx.AsyncClient, url: str, max_tokens: int) -> 
     return time.monotonic()
 
 
+def ended(streams: list[asyncio.Task[float]]) -> list[str]:
+    """How each stream that has ended did: an error, or its [DONE]."""
+    done = [s for s in streams if s.done() and not s.cancelled()]
+    return [repr(s.exception()) if s.exception() is not None else "[DONE]" for s in done]
+
+
+def in_flight_now(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=2) as response:
+        return read_engine(response.read().decode(), ENGINES["vllm"]).in_flight
+
+
 async def test_the_preStop_holds_while_real_streams_run_and_returns_soon_after_the_last_despite_pooled_connections(
     vllm_servers: list[VllmServer], sidecar: Sidecar
 ) -> None:
     url = vllm_servers[0].url
     async with aiohttp.ClientSession() as pooled, httpx.AsyncClient(timeout=120) as other:
-        await aiohttp_stream(pooled, url, 4)  # leaves a connection in each pool
-        await httpx_stream(other, url, 4)
+        # Leaves a connection in each pool, both warmed just before the streams (no idle gap for the server's
+        # keep-alive timeout to close one under its pool).
+        await asyncio.gather(aiohttp_stream(pooled, url, 4), httpx_stream(other, url, 4))
         streams = [
             # Long enough to outlast the look below at the tiny model's fastest (about 350 tokens/s alone here).
             asyncio.create_task(aiohttp_stream(pooled, url, 1500)),
             asyncio.create_task(aiohttp_stream(pooled, url, 1900)),
             asyncio.create_task(httpx_stream(other, url, 1700)),
         ]
-        await until(lambda: len(dump(vllm_servers[0].port, timeout_s=1)) >= 2, timeout_s=5)
-        await asyncio.sleep(0.5)
+        await until(lambda: ended(streams) or in_flight_now(url) == len(streams), timeout_s=30)
+        assert not ended(streams), ended(streams)
         hook = await asyncio.create_subprocess_exec("/bin/sh", str(sidecar.drain_dir / "prestop"))
         asked = time.monotonic()
         while (await status_of(f"http://127.0.0.1:{sidecar.port}/ready"))[0] != 503:
             await asyncio.sleep(0.005)
         out_of_rotation_s = time.monotonic() - asked
         await asyncio.sleep(0.5)
-        assert not any(s.done() for s in streams), "the streams outlast this look"
+        assert not ended(streams), f"the streams outlast this look: {ended(streams)}"
         assert hook.returncode is None, "the preStop holds the engine's SIGTERM while streams run"
         ends = await asyncio.gather(*streams)
         await asyncio.wait_for(hook.wait(), 10)
