@@ -126,19 +126,27 @@ def parse_line(raw: bytes) -> Line:
 PACE_TOKENS = 16
 
 
+class Unpaced(Exception):
+    """A pacing stream that did not end with tokens and its ``[DONE]``: its rate would say nothing."""
+
+
 async def pace(urls: Sequence[str], *, streams: int, timeout_s: float = 120.0) -> float:
     """The tokens per second each of ``streams`` concurrent streams gets from engines that pace themselves (real
-    vLLM), the streams spread over ``urls``: the slowest stream's rate, its first token's wait included."""
+    vLLM), the streams spread over ``urls``: the slowest stream's rate, its first token's wait included. Raises
+    Unpaced, aiohttp.ClientError or TimeoutError where a stream cannot be measured."""
     loop = asyncio.get_running_loop()
     body = {"prompt": "pace", "max_tokens": PACE_TOKENS, "stream": True, "return_token_ids": True, "ignore_eos": True}
 
     async def one(session: aiohttp.ClientSession, url: str) -> float:
         started = loop.time()
-        received = 0
+        received, done = 0, False
         async with session.post(f"{url}/v1/completions", json=body) as response:
             response.raise_for_status()
             async for raw in response.content:
-                received += parse_line(raw).tokens
+                line = parse_line(raw)
+                received, done = received + line.tokens, done or line.done
+        if not received or not done:
+            raise Unpaced(f"{url}: {received} tokens" + ("" if done else " and no [DONE]"))
         return received / max(loop.time() - started, 1e-3)
 
     timeout = aiohttp.ClientTimeout(total=timeout_s)

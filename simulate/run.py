@@ -20,7 +20,7 @@ import structlog
 
 from simulate.baselines import SPOTDRAIN, Way
 from simulate.cluster import NODE, STARTUP_S, Cluster, startup_s
-from simulate.load import Hops, Load, pace
+from simulate.load import Hops, Load, Unpaced, pace
 from simulate.nth import nth_style
 from simulate.observe import node_watcher
 from simulate.probes import http_probe
@@ -230,7 +230,7 @@ async def _tokens_per_s(settings: SimulationSettings, cluster: Cluster) -> tuple
     urls = [f"http://127.0.0.1:{pod.engine_port}" for pod in cluster.kubelet.pods.values()]
     try:
         measured = await pace(urls, streams=settings.pods * settings.streams_per_pod)
-    except (aiohttp.ClientError, TimeoutError) as error:
+    except (aiohttp.ClientError, TimeoutError, Unpaced) as error:
         log.warning("simulation.pace_unmeasured", error=repr(error))
         return settings.tokens_per_s, ""
     rate = min(settings.tokens_per_s, measured)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 from aiohttp import web
 
-from simulate.load import PACE_TOKENS, Load, pace
+from simulate.load import PACE_TOKENS, Load, Unpaced, pace
 from simulate.router import POD_HEADER
 from simulate.timeline import Kind, Outcome, Recorder
 from tests.conftest import serving_app
@@ -109,3 +110,33 @@ async def test_an_engine_that_does_not_answer_in_time_leaves_the_pace_unmeasured
     async with serving_app(app) as port:
         with pytest.raises(TimeoutError):
             await pace([f"http://127.0.0.1:{port}"], streams=2, timeout_s=0.2)
+
+
+@pytest.mark.parametrize(
+    ("answer", "raised"),
+    [
+        (b"<html>a proxy's page</html>", Unpaced),  # a 200 that carries no token
+        (b"data: [DONE]\n\n", Unpaced),
+        (b'data: {"choices":[{"text":"t","token_ids":[1]}]}\n\n', Unpaced),  # ended without its [DONE]
+        (b'data: {"choices":[{"text":"t","token_ids":[1]}]}\n\ncut', aiohttp.ClientPayloadError),  # dropped
+    ],
+)
+async def test_an_engine_whose_stream_says_nothing_of_its_rate_leaves_the_pace_unmeasured(
+    answer: bytes, raised: type[Exception]
+) -> None:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        if answer.endswith(b"cut"):
+            response.content_length = 10 * len(answer)  # promised, then the connection closes short of it
+        await response.prepare(request)
+        await response.write(answer)
+        if answer.endswith(b"cut"):
+            assert request.transport is not None
+            request.transport.close()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serving_app(app) as port:
+        with pytest.raises(raised):
+            await pace([f"http://127.0.0.1:{port}"], streams=2, timeout_s=5)
