@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway import upstream
 from gateway.backends import Backend, Mover
 from gateway.settings import TimeoutSettings
 from gateway.splice import Broken, End, Splicer
 from gateway.sse import EventTooLarge, SseParser
+from spotdrain import http1
 
 # RFC 9110 section 7.6.1 connection-specific fields, plus what the proxy sets itself (length, encoding, host).
 _NOT_FORWARDED = frozenset(
@@ -148,10 +148,10 @@ async def relay(
     ``mover`` may end the answer early (the backend's node is about to go); the caller tells that from a break.
     """
     backend.open_streams += 1
-    answer: upstream.Answer | None = None
+    answer: http1.Answer | None = None
     try:
         try:
-            answer = await upstream.connect(backend.url, connect_s=timeouts.connect_s)
+            answer = await http1.connect(backend.url, connect_s=timeouts.connect_s)
         except TimeoutError:
             raise  # no connection within connect_s: a timeout, as a silent answer is
         except OSError as error:
@@ -174,7 +174,7 @@ async def relay(
         raise
     except TimeoutError:
         return Broken("timeout", f"no byte for {timeouts.read_s} s")
-    except upstream.BadAnswer as error:
+    except http1.BadAnswer as error:
         return Broken("garbage", str(error))
     except OSError as error:
         return Broken("reset", str(error) or type(error).__name__)
@@ -185,7 +185,7 @@ async def relay(
         backend.open_streams -= 1
 
 
-async def _events(answer: upstream.Answer, splicer: Splicer, client: ClientStream, mover: Mover) -> End:
+async def _events(answer: http1.Answer, splicer: Splicer, client: ClientStream, mover: Mover) -> End:
     parser = SseParser()
     async for block in answer.body():
         mover.heard(time.monotonic())

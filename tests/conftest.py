@@ -7,6 +7,7 @@ import os
 import pkgutil
 import shutil
 import signal
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -48,12 +49,12 @@ async def running_engine(config: EngineConfig) -> AsyncIterator[int]:
 
 
 @asynccontextmanager
-async def serving_app(app: web.Application) -> AsyncIterator[int]:
-    """Serve ``app`` on 127.0.0.1 while the block runs; yields its port."""
+async def serving_app(app: web.Application, *, tls: ssl.SSLContext | None = None) -> AsyncIterator[int]:
+    """Serve ``app`` on 127.0.0.1 (over TLS where ``tls`` is given) while the block runs; yields its port."""
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls).start()
     try:
         yield port
     finally:

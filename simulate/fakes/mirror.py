@@ -3,10 +3,13 @@
 As a mirror it answers what the Hub does for a model (https://huggingface.co/docs/hub/api): ``GET
 /api/models/{org}/{repo}/revision/{revision}`` with ``siblings`` (``rfilename``, ``size``, ``blobId`` and, for large
 files, ``lfs: {sha256, size}``), and ``GET|HEAD /{org}/{repo}/resolve/{revision}/{file}`` with ranges, the LFS
-file's SHA-256 as its ETag and ``X-Linked-Etag`` as the Hub sends them (without the Hub's CDN redirect). As a
-front it forwards every request to ``upstream`` and streams the answer back. Either way each request is recorded
-(method, path, Range) and the next ones for a path can fail: ``503`` (S3's SlowDown), ``500``, ``404``, ``drop``
-(half the body, then the connection closes), ``wrong`` (the right length, wrong bytes), ``hang`` (no answer).
+file's SHA-256 as its ETag and ``X-Linked-Etag`` as the Hub sends them; with ``cdn``, an LFS file's resolve is
+answered as the Hub does, a 302 to its CDN (``Location``, with ``X-Linked-Size`` and ``X-Linked-Etag``), here a
+path of its own; with ``chunked``, bodies come chunked, without a ``Content-Length``. As a front it forwards every
+request to ``upstream`` and streams the answer back. Either way each request is recorded (method, path, Range) and
+the next ones for a path can fail: ``503`` (S3's SlowDown), ``500``, ``404``, ``drop`` (half the body, then the
+connection closes), ``stall`` (half the body, then nothing), ``wrong`` (the right length, wrong bytes), ``hang`` (no
+answer).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class FaultyServer:
     # The status of a range's answer: 206, or 200 with the Content-Range all the same (rclone serve s3's), or None
     # for a server that ignores Range and sends the whole file with a 200.
     range_status: int | None = 206
+    cdn: bool = False
+    chunked: bool = False
     requests: list[Seen] = field(default_factory=list)
     _faults: list[tuple[str, str]] = field(default_factory=list)
     _session: aiohttp.ClientSession | None = None
@@ -97,9 +102,15 @@ class FaultyServer:
         if self.upstream is not None:
             return await self._forward(request, fault)
         prefix = f"{self.root}/{self.repo}/resolve/{self.revision}/"
-        path = request.path.removeprefix(prefix)
-        if not request.path.startswith(prefix) or path not in self.files or path in self.listed_only:
+        cdn = f"{self.root}/cdn/"
+        path = request.path.removeprefix(prefix).removeprefix(cdn)
+        if not request.path.startswith((prefix, cdn)) or path not in self.files or path in self.listed_only:
             return web.Response(status=404, text="Entry not found")
+        if self.cdn and request.path.startswith(prefix) and path.endswith(LFS_SUFFIXES):
+            _, sha256 = self._hashes(path, self.files[path])
+            headers = {"X-Linked-Size": str(len(self.files[path])), "X-Linked-Etag": f'"{sha256}"'}
+            location = f"{request.url.origin()}{cdn}{path}"
+            return web.Response(status=302, headers={**headers, "Location": location})
         return await self._serve(request, self.files[path], path, fault)
 
     def _siblings(self) -> list[dict[str, object]]:
@@ -136,7 +147,11 @@ class FaultyServer:
             first, last = wanted
             status, body = self.range_status, data[first : last + 1]
             headers["Content-Range"] = content_range(first, last, len(data))
-        response = web.StreamResponse(status=status, headers={**headers, "Content-Length": str(len(body))})
+        response = web.StreamResponse(status=status, headers=headers)
+        if self.chunked:
+            response.enable_chunked_encoding()
+        else:
+            response.content_length = len(body)
         await response.prepare(request)
         if request.method == "GET":
             await self._body(request, response, body, fault)
@@ -162,8 +177,10 @@ class FaultyServer:
     async def _body(self, request: web.Request, response: web.StreamResponse, body: bytes, fault: str | None) -> None:
         if fault == "wrong":
             body = bytes(b ^ 0xFF for b in body[:16]) + body[16:]
-        if fault == "drop":
+        if fault in ("drop", "stall"):
             await response.write(body[: len(body) // 2])
+            if fault == "stall":
+                await self._closing.wait()
             assert request.transport is not None
             request.transport.close()
             return

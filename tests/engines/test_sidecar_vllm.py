@@ -113,7 +113,7 @@ async def test_the_preStop_holds_while_real_streams_run_and_returns_soon_after_t
             asyncio.create_task(aiohttp_stream(pooled, url, 1900)),
             asyncio.create_task(httpx_stream(other, url, 1700)),
         ]
-        await until(lambda: ended(streams) or in_flight_now(url) == len(streams), timeout_s=30)
+        await until(lambda: bool(ended(streams)) or in_flight_now(url) == len(streams), timeout_s=30)
         assert not ended(streams), ended(streams)
         hook = await asyncio.create_subprocess_exec("/bin/sh", str(sidecar.drain_dir / "prestop"))
         asked = time.monotonic()

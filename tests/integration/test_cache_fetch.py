@@ -4,19 +4,24 @@ what lands, what is checked, and what faults, kills and full disks leave behind.
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import signal
+import ssl
 import struct
 import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.config
@@ -33,6 +38,8 @@ from agent.cache.fetch.staging import write_json
 from agent.cache.fetch.transfer import FetchError
 from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
 from simulate.fakes.mirror import FaultyServer
+from simulate.fakes.processes import free_port
+from spotdrain import http1
 from tests.conftest import serving_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -215,7 +222,7 @@ async def test_a_model_already_present_is_returned_at_once_and_a_damaged_one_is_
     assert_published_whole(cache)
 
 
-@pytest.mark.parametrize("fault", ["drop", "503", "500", "hang"])
+@pytest.mark.parametrize("fault", ["drop", "503", "500", "hang", "stall"])
 async def test_a_part_that_fails_is_asked_for_again_and_the_model_is_identical(
     fault: str, bucket: str, cache: Path, front: tuple[FaultyServer, str]
 ) -> None:
@@ -275,6 +282,20 @@ async def test_a_mirror_that_drops_and_corrupts_once_still_gives_the_identical_m
     assert_published_whole(cache)
     assert len(mirror[0].ranges("big.bin")) == 7 + 1
     assert len(mirror[0].ranges("model-00001-of-00002.safetensors")) == 2 + 2  # the whole file again
+
+
+async def test_a_mirror_that_sends_its_files_on_to_a_cdn_in_chunks_gives_the_identical_model(
+    cache: Path, mirror: tuple[FaultyServer, str]
+) -> None:
+    """The Hub's LFS files come from its CDN after a 302; a body without a Content-Length is taken chunk by chunk."""
+    mirror[0].cdn = mirror[0].chunked = True
+    mirror[0].sizeless.add("big.bin")  # its size from the redirect's X-Linked-Size
+    mirror[0].fail("drop", "/cdn/big.bin")
+    await fetch(mirror_settings(mirror, cache))
+    assert_published_whole(cache)
+    gets = [seen.path.removeprefix("/hub/") for seen in mirror[0].requests if seen.method == "GET"]
+    assert gets.count("cdn/big.bin") == gets.count("org/llama/resolve/v1/big.bin") == 7 + 1
+    assert "cdn/config.json" not in gets  # not an LFS file: no redirect
 
 
 async def test_a_range_answered_with_a_200_naming_it_is_taken_and_one_ignored_is_refused(
@@ -506,3 +527,122 @@ async def test_a_listing_that_fails_once_is_retried_and_a_missing_bucket_is_an_e
     with pytest.raises(FetchError, match=r"^s3\.list_objects_v2: HTTP 404: .*NoSuchBucket") as raised:
         await fetch(settings_for(S3Source("no-such-bucket", "llama/"), cache, front[1], name="other"))
     assert (raised.value.reason, raised.value.transient) == ("listing", False)
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A self-signed certificate for 127.0.0.1 (its key beside it), made with the openssl command."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is not installed here")
+    where = tmp_path_factory.mktemp("tls")
+    key, cert = where / "key.pem", where / "cert.pem"
+    subject = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            *subject,
+            "-keyout",
+            key,
+            "-out",
+            cert,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert
+
+
+@asynccontextmanager
+async def http_proxy(seen: list[tuple[str, str | None]]) -> AsyncIterator[str]:
+    """A forward proxy on 127.0.0.1 that records each request line and its Proxy-Authorization: ``CONNECT``
+    tunnels, and requests in absolute form passed on as they are. Yields its URL."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(256 * 1024):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        auth = next((line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("proxy-auth")), None)
+        seen.append((lines[0], auth))
+        method, target, _ = lines[0].split(" ")
+        if method == "CONNECT":
+            host, port = target.rsplit(":", 1)
+            upstream = await asyncio.open_connection(host, int(port))
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        else:
+            parts = urlsplit(target)
+            upstream = await asyncio.open_connection(parts.hostname, parts.port)
+            upstream[1].write(head)
+        await asyncio.gather(pipe(reader, upstream[1]), pipe(upstream[0], writer))
+
+    port = free_port()
+    listening = await asyncio.start_server(handle, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        listening.close()
+
+
+async def test_over_tls_through_the_environments_proxy_s3_is_listed_and_fetched_through_its_tunnel(
+    bucket: str,
+    cache: Path,
+    moto: MotoServer,
+    aws_credentials: None,
+    certificate: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """S3 is https: the transfers reach it through HTTPS_PROXY's CONNECT tunnels, with the proxy's credentials,
+    and check its certificate against the system's store (here SSL_CERT_FILE's)."""
+    for name in ("NO_PROXY", "no_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(certificate))  # boto3's own store, for the listing
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(certificate, certificate.with_name("key.pem"))
+    seen: list[tuple[str, str | None]] = []
+    server = FaultyServer(upstream=moto.endpoint_url)
+    try:
+        async with serving_app(server.app(), tls=tls) as port, http_proxy(seen) as proxy:
+            monkeypatch.setenv("HTTPS_PROXY", proxy.replace("http://", "http://fetch:p%40ss@"))
+            settings = settings_for(S3Source(bucket, "llama/"), cache, f"https://127.0.0.1:{port}")
+            http1._tls.cache_clear()
+            with pytest.raises(FetchError, match="CERTIFICATE_VERIFY_FAILED"):  # a certificate no store trusts
+                await fetch(settings)
+            monkeypatch.setenv("SSL_CERT_FILE", str(certificate))
+            http1._tls.cache_clear()
+            await fetch(settings)
+    finally:
+        http1._tls.cache_clear()
+    assert_published_whole(cache)
+    gets = [seen for seen in server.requests if seen.method == "GET" and seen.range is not None]
+    assert len(gets) >= len(MODEL)
+    tunnels = [auth for line, auth in seen if line == f"CONNECT 127.0.0.1:{port} HTTP/1.1"]
+    assert len(tunnels) >= len(gets)  # a tunnel for each transfer
+    assert f"Basic {base64.b64encode(b'fetch:p@ss').decode()}" in tunnels
+
+
+async def test_a_mirror_over_http_is_fetched_through_the_environments_proxy_in_absolute_form(
+    cache: Path, mirror: tuple[FaultyServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    seen: list[tuple[str, str | None]] = []
+    async with http_proxy(seen) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy)
+        await fetch(mirror_settings(mirror, cache))
+    assert_published_whole(cache)
+    absolute = [line for line, _ in seen if line.startswith(f"GET {mirror[1]}/org/llama/resolve/v1/")]
+    assert len(absolute) == len([s for s in mirror[0].requests if s.method == "GET" and "/resolve/" in s.path])

@@ -20,14 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import structlog
 
 from agent.cache.fetch.parts import PROGRESS, Part, part_count, parts_of, progress_record
 from agent.cache.fetch.progress import Progress
 from agent.cache.fetch.sources import Checksum, RemoteFile
 from agent.cache.fetch.staging import write_json
-from agent.cache.fetch.transfer import FetchError, disk_error, get_part
+from agent.cache.fetch.transfer import FetchError, Limits, disk_error, get_part
 from agent.cache.fetch.verify import Digest
 from spotdrain.retry import BACKOFF_S, ApiError, retrying
 
@@ -58,8 +57,7 @@ class Transfers:
     files: list[RemoteFile]
     part_size: int
     url: Callable[[RemoteFile], str]
-    session: aiohttp.ClientSession
-    timeout: aiohttp.ClientTimeout
+    limits: Limits
     concurrency: int
     progress: Progress
     backoff_s: Sequence[float] = BACKOFF_S
@@ -146,9 +144,7 @@ class Transfers:
         path = part.file.path
 
         async def attempt() -> None:
-            await get_part(
-                self.session, self.url(part.file), part, state.fd, limits=self.timeout, on_bytes=self.progress.add
-            )
+            await get_part(self.url(part.file), part, state.fd, limits=self.limits, on_bytes=self.progress.add)
 
         try:
             await retrying(attempt, what=f"GET {path} bytes {part.start}-{part.end - 1}", backoff_s=self.backoff_s)

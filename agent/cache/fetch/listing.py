@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from agent.cache.fetch.sources import MirrorSource, RemoteFile, S3Source, http_checksums, mirror_files, relative_path
-from agent.cache.fetch.transfer import FetchError
+from agent.cache.fetch.transfer import FetchError, Limits
 from spotdrain.retry import ApiError, retry_after, retrying
+
+if TYPE_CHECKING:  # imported where a mirror is listed: an S3 fetch, an init container's, starts without it
+    import aiohttp
 
 URL_EXPIRY_S = 3600
 RESIGN_AFTER_S = 1800  # a URL older than this is signed again before a part uses it
@@ -143,13 +144,22 @@ async def _aws(what: str, call: Callable[[], Any]) -> Any:
 class MirrorListing:
     """Lists a mirror's model by its model-info answer; a file it gives no size for is asked for it (HEAD)."""
 
-    def __init__(self, source: MirrorSource, session: aiohttp.ClientSession, *, timeout: aiohttp.ClientTimeout):
+    def __init__(self, source: MirrorSource, *, limits: Limits):
         self.source = source
-        self.session = session
-        self.timeout = timeout
+        self.limits = limits
         self.commit: str | None = None
 
     async def files(self) -> list[RemoteFile]:
+        import aiohttp
+
+        limits = self.limits
+        self.timeout = aiohttp.ClientTimeout(
+            total=limits.total_s, sock_connect=limits.connect_s, sock_read=limits.read_s
+        )
+        async with aiohttp.ClientSession(trust_env=True) as self.session:
+            return await self._files()
+
+    async def _files(self) -> list[RemoteFile]:
         answer = await _http(lambda: self._json(self.source.manifest_url), what="mirror.model_info")
         sha = answer.get("sha") if isinstance(answer, dict) else None
         self.commit = sha if isinstance(sha, str) else None
@@ -204,6 +214,8 @@ def _raise_for(response: aiohttp.ClientResponse) -> None:
 
 
 async def _http(call: Callable[[], Awaitable[Any]], *, what: str) -> Any:
+    import aiohttp
+
     async def attempt() -> Any:
         try:
             return await call()

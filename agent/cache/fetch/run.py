@@ -16,7 +16,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-import aiohttp
 import structlog
 
 from agent.cache.fetch.download import Transfers
@@ -26,16 +25,10 @@ from agent.cache.fetch.progress import Progress, reporter
 from agent.cache.fetch.settings import FetchSettings, from_arguments
 from agent.cache.fetch.sources import RemoteFile, S3Source
 from agent.cache.fetch.staging import model_lock, publish, published, remove, staging_dir
-from agent.cache.fetch.transfer import FetchError, disk_error
+from agent.cache.fetch.transfer import FetchError, Limits, disk_error
 from spotdrain.settings import log_effective
 
 log = structlog.get_logger()
-# What each connection may hold read but not yet taken (aiohttp's read_bufsize, 64 KiB by default) before it stops
-# reading the socket. At 1 MiB, as much as the fetch gathers for one write, the loop handles a few large reads where
-# it handled many small ones: in interleaved runs on bench.cache_fetch's source (2 GiB, CRC64NVMEs, 2 cores) 10% less
-# CPU per GiB and 5-10% more throughput than at 64 KiB, and 4 MiB was no better. It costs at most 1 MiB a connection
-# more in memory, where a slow disk lets it fill.
-READ_BUFFER = 1024 * 1024
 
 
 async def fetch(settings: FetchSettings, *, watch: Callable[[Progress], None] | None = None) -> Path:
@@ -61,46 +54,41 @@ async def fetch(settings: FetchSettings, *, watch: Callable[[Progress], None] | 
 
 async def _fetch_locked(settings: FetchSettings, watch: Callable[[Progress], None] | None) -> None:
     """List, download into staging (resuming what is there), check and publish; under the model's lock."""
-    timeout = aiohttp.ClientTimeout(
-        total=settings.request_timeout_s * 10,
-        sock_connect=settings.request_timeout_s,
-        sock_read=settings.request_timeout_s,
+    limits = Limits(
+        connect_s=settings.request_timeout_s,
+        read_s=settings.request_timeout_s,
+        total_s=settings.request_timeout_s * 10,
     )
-    connector = aiohttp.TCPConnector(limit=settings.concurrency)
-    async with aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, trust_env=True, read_bufsize=READ_BUFFER
-    ) as session:
-        listing = _listing(settings, session, timeout)
-        files = _checked_listing(await listing.files(), settings)
-        staging, record = staging_dir(settings.models, settings.name, str(settings.source))
-        done = resumable(record, files, settings.part_size_bytes) if record is not None else {}
-        progress = Progress(
-            total_bytes=sum(f.size for f in files), resumed_bytes=_resumed(files, done, settings), files=len(files)
-        )
-        log.info(
-            "cache.fetch_started",
-            name=settings.name,
-            source=str(settings.source),
-            staging=str(staging),
-            files=len(files),
-            total_bytes=progress.total_bytes,
-            resumed_bytes=progress.resumed_bytes,
-        )
-        transfers = Transfers(
-            name=settings.name,
-            source=str(settings.source),
-            staging=staging,
-            files=files,
-            part_size=settings.part_size_bytes,
-            url=listing.url,
-            session=session,
-            timeout=timeout,
-            concurrency=settings.concurrency,
-            progress=progress,
-            backoff_s=settings.backoff_s,
-            commit=listing.commit,
-        )
-        await _download_and_publish(settings, transfers, done)
+    listing = _listing(settings, limits)
+    files = _checked_listing(await listing.files(), settings)
+    staging, record = staging_dir(settings.models, settings.name, str(settings.source))
+    done = resumable(record, files, settings.part_size_bytes) if record is not None else {}
+    progress = Progress(
+        total_bytes=sum(f.size for f in files), resumed_bytes=_resumed(files, done, settings), files=len(files)
+    )
+    log.info(
+        "cache.fetch_started",
+        name=settings.name,
+        source=str(settings.source),
+        staging=str(staging),
+        files=len(files),
+        total_bytes=progress.total_bytes,
+        resumed_bytes=progress.resumed_bytes,
+    )
+    transfers = Transfers(
+        name=settings.name,
+        source=str(settings.source),
+        staging=staging,
+        files=files,
+        part_size=settings.part_size_bytes,
+        url=listing.url,
+        limits=limits,
+        concurrency=settings.concurrency,
+        progress=progress,
+        backoff_s=settings.backoff_s,
+        commit=listing.commit,
+    )
+    await _download_and_publish(settings, transfers, done)
     log.info("cache.fetched", name=settings.name, path=str(settings.target), **progress.fields(progress.clock()))
 
 
@@ -136,9 +124,7 @@ def _cleaned(error: FetchError, staging: Path) -> FetchError:
     return error
 
 
-def _listing(
-    settings: FetchSettings, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout
-) -> S3Listing | MirrorListing:
+def _listing(settings: FetchSettings, limits: Limits) -> S3Listing | MirrorListing:
     if isinstance(settings.source, S3Source):
         return S3Listing(
             settings.source,
@@ -146,7 +132,7 @@ def _listing(
             endpoint_url=settings.aws_endpoint_url,
             timeout_s=settings.request_timeout_s,
         )
-    return MirrorListing(settings.source, session, timeout=timeout)
+    return MirrorListing(settings.source, limits=limits)
 
 
 def _checked_listing(files: list[RemoteFile], settings: FetchSettings) -> list[RemoteFile]:

@@ -1,11 +1,13 @@
-"""A backend's streamed answer, read without aiohttp: the one place the gateway's cost per chunk is decided.
+"""One HTTP/1.1 answer read without aiohttp, for the two paths where the cost per byte is the point: the gateway's
+relay of a backend's streamed answer, and the model fetch's ranged GETs.
 
 Measured with bench/gateway_peers.py, aiohttp's client was the largest part of the gateway's work per relayed chunk
 after the system calls (a request object, a response object, a stream reader with its own buffer and waiters, a
-timer moved on every read) and about a third of its memory per open stream. This reads one HTTP/1.1 answer on a
-connection of its own, into a buffer every connection of the process shares (``asyncio.BufferedProtocol``: the
-socket is read into it, and only the bytes read are copied out), takes the head, and hands the body on decoded from
-its framing (chunked, ``Content-Length`` or until the close), block by block as it arrives.
+timer moved on every read) and about a third of its memory per open stream; in the fetch (bench/cache_fetch.py) it
+was a third of its CPU. This reads one answer on a connection of its own, into a buffer every connection of the
+process shares (``asyncio.BufferedProtocol``: the socket is read into it), takes the head, and hands the body on
+decoded from its framing (chunked, ``Content-Length`` or until the close), block by block as it arrives; or, for a
+sized body, hands each read to a writer straight from that buffer, with no copy made in this process.
 
 Each request asks for ``Connection: close``: an engine keeps no idle connection from the gateway, which a pod's
 sidecar would count as a client still there (the health checks close theirs for the same reason).
@@ -14,11 +16,14 @@ sidecar would count as a client still there (the health checks close theirs for 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import re
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from functools import cache
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from multidict import CIMultiDict
 
@@ -44,6 +49,7 @@ class _Protocol(asyncio.BufferedProtocol):
         self.paused = False
         self.eof = False
         self.error: BaseException | None = None
+        self.sink: Callable[[memoryview], None] | None = None  # takes every read instead of ``blocks``
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -53,26 +59,38 @@ class _Protocol(asyncio.BufferedProtocol):
         return _VIEW
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.sink is not None:
+            self.sink(_VIEW[:nbytes])  # it wakes the reader itself, once it has had all it wants
+            return
         self.blocks.append(bytes(_VIEW[:nbytes]))
         self.held += nbytes
         if self.held > HELD_MAX_BYTES and self.transport is not None and not self.paused:
             self.paused = True  # the client reads slower than the backend writes: let the kernel hold the rest
             self.transport.pause_reading()
-        self._wake()
+        self.wake()
 
     def eof_received(self) -> bool:
         self.eof = True
-        self._wake()
+        self.wake()
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         self.error = self.error or exc
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until woken (a read, the end of the connection), or TimeoutError after ``timeout_s``."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._waiter
+        finally:
+            self._waiter = None
 
     async def next_block(self) -> bytes | None:
         """Every byte read since the last call, as one block, or None once the connection has ended."""
@@ -96,27 +114,55 @@ class _Protocol(asyncio.BufferedProtocol):
 
 
 class Answer:
-    """One backend answer: ``status`` and ``headers`` once ``open`` returned, then its body, block by block."""
+    """One answer: ``status`` and ``headers`` once ``send`` returned, then its body, block by block."""
 
-    def __init__(self, protocol: _Protocol, url: str) -> None:
+    def __init__(self, protocol: _Protocol, url: str, *, proxy_headers: Mapping[str, str] | None = None) -> None:
         self._protocol = protocol
         self.url = url
+        self.absolute = False  # each request's target a whole URL: an http server's, asked through a proxy
+        self._proxy_headers = proxy_headers  # None without a proxy: nothing more for every gateway stream to hold
         self.status = 0
+        self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         self._rest = b""  # body bytes read with the head
         self._chunked = False
         self._length: int | None = None
+
+    @property
+    def length(self) -> int | None:
+        """The body's size, where the head gave it (``Content-Length``, not chunked)."""
+        return self._length
 
     def close(self) -> None:
         """End the answer now (the relay reads no more of it)."""
         if self._protocol.transport is not None:
             self._protocol.transport.close()
 
-    async def send(self, path: str, body: bytes, headers: Mapping[str, str]) -> None:
+    async def send(self, path: str, body: bytes, headers: Mapping[str, str], *, method: str = "POST") -> None:
         """Send the request and read the answer's head; raises OSError (the connection ended) or BadAnswer."""
         assert self._protocol.transport is not None
-        self._protocol.transport.write(request_bytes(self.url, path, body, headers))
+        if self.absolute and self._proxy_headers:
+            headers = {**headers, **self._proxy_headers}
+        request = request_bytes(self.url, path, body, headers, method=method, absolute=self.absolute)
+        self._protocol.transport.write(request)
         await self._read_head()
+
+    async def tunnel(self, host: str, port: int) -> None:
+        """Through the proxy this is connected to, a tunnel to ``host``, then TLS with it; raises OSError where the
+        proxy refuses (the server's answers are read after)."""
+        protocol = self._protocol
+        assert protocol.transport is not None
+        lines = [f"CONNECT {host}:{port} HTTP/1.1", f"Host: {host}:{port}"]
+        lines += [f"{name}: {value}" for name, value in (self._proxy_headers or {}).items()]
+        protocol.transport.write("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n")
+        await self._read_head()
+        if not 200 <= self.status < 300 or self._rest:
+            raise ConnectionRefusedError(f"the proxy answered CONNECT {host}:{port} with HTTP {self.status}")
+        self.status, self.reason, self.headers, self._length, self._chunked = 0, "", CIMultiDict(), None, False
+        loop = asyncio.get_running_loop()
+        tls = await loop.start_tls(protocol.transport, protocol, _tls(), server_hostname=host)
+        assert tls is not None
+        protocol.transport = tls
 
     async def _read_head(self) -> None:
         """The status and headers of the final answer: interim ones (1xx, e.g. the ``100 Continue`` a server sends for
@@ -140,6 +186,7 @@ class Answer:
                 break
         self._rest = data
         self.status = int(code)
+        self.reason = rest[4:].strip()
         for line in lines[1:]:
             name, colon, value = line.partition(":")
             if not colon or not name or name != name.strip():
@@ -184,6 +231,52 @@ class Answer:
 
     async def read(self) -> bytes:
         return b"".join([block async for block in self.body()])
+
+    async def write_body(self, write: Callable[[memoryview], None], *, idle_s: float) -> None:
+        """A sized body (``length``) handed to ``write`` as it is read, each piece straight from the shared buffer
+        (``write`` must be done with it when it returns). Raises ConnectionResetError where the connection ends
+        first, TimeoutError after ``idle_s`` without a byte, and whatever ``write`` raised."""
+        assert self._length is not None
+        protocol = self._protocol
+        left = self._length
+        failed: BaseException | None = None
+
+        def take(view: memoryview) -> None:
+            nonlocal left, failed
+            if failed is None and left > 0:
+                piece = view[:left]
+                try:
+                    write(piece)
+                except Exception as error:  # raised to the reader, not into the event loop's transport
+                    failed = error
+                    protocol.wake()
+                    return
+                left -= len(piece)
+                if left == 0:
+                    protocol.wake()
+
+        for block in (self._rest, *protocol.blocks):
+            take(memoryview(block))
+        self._rest = b""
+        protocol.blocks.clear()
+        protocol.held = 0
+        protocol.sink = take
+        if protocol.paused and protocol.transport is not None:
+            protocol.paused = False
+            protocol.transport.resume_reading()
+        try:
+            while left > 0 and failed is None:
+                if protocol.eof:
+                    raise ConnectionResetError(f"the connection closed {left} bytes before the body's end")
+                before = left
+                with contextlib.suppress(TimeoutError):
+                    await protocol.wait(idle_s)
+                if left == before and not protocol.eof and failed is None:
+                    raise TimeoutError(f"no byte of the body in {idle_s} s")
+        finally:
+            protocol.sink = None
+        if failed is not None:
+            raise failed
 
 
 class Dechunker:
@@ -230,22 +323,52 @@ def _chunk_size(line: bytes) -> int:
     return int(digits, 16)
 
 
-def request_bytes(url: str, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-    """The request for ``path`` on the backend at ``url``: POST, the headers given, the body, ``Connection: close``."""
+def request_bytes(
+    url: str, path: str, body: bytes, headers: Mapping[str, str], *, method: str = "POST", absolute: bool = False
+) -> bytes:
+    """The request for ``path`` on the server at ``url``: the method, the headers given, the body (a GET has none),
+    ``Connection: close``; ``absolute``: the target as a whole URL, as a proxy is asked (RFC 9112 section 3.2.2)."""
     parts = urlsplit(url)
-    host = parts.netloc
-    lines = [f"POST {parts.path}{path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}", "Connection: close"]
+    target = f"{parts.scheme}://{parts.netloc}{parts.path}{path}" if absolute else f"{parts.path}{path}"
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
+    if method != "GET":
+        lines.insert(2, f"Content-Length: {len(body)}")
     lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in _CONNECTION_HEADERS]
     return "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body
 
 
-async def connect(url: str, *, connect_s: float) -> Answer:
-    """A connection to the backend at ``url``; raises OSError where there is none, TimeoutError past ``connect_s``."""
+async def connect(url: str, *, connect_s: float, proxy: str | None = None) -> Answer:
+    """A connection to the server at ``url``; raises OSError where there is none, TimeoutError past ``connect_s``.
+
+    Through ``proxy`` (an ``http://`` proxy's URL, with its credentials if it needs them) where one is given: to an
+    https server through a tunnel (``CONNECT``, then TLS with the server), to an http one with each request's target
+    as a whole URL."""
     parts = urlsplit(url)
     secure = parts.scheme == "https"
-    port = parts.port or (443 if secure else 80)
-    context = ssl.create_default_context() if secure else None
+    host, port = parts.hostname or "", parts.port or (443 if secure else 80)
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(connect_s):
-        _, protocol = await loop.create_connection(_Protocol, parts.hostname or "", port, ssl=context)
-    return Answer(protocol, url)
+        if proxy is None:
+            _, protocol = await loop.create_connection(_Protocol, host, port, ssl=_tls() if secure else None)
+            return Answer(protocol, url)
+        via = urlsplit(proxy)
+        _, protocol = await loop.create_connection(_Protocol, via.hostname or "", via.port or 80)
+        answer = Answer(protocol, url, proxy_headers=_proxy_headers(via.username, via.password))
+        if secure:
+            await answer.tunnel(host, port)
+        else:
+            answer.absolute = True
+        return answer
+
+
+def _proxy_headers(user: str | None, password: str | None) -> dict[str, str]:
+    if user is None:
+        return {}
+    token = base64.b64encode(f"{unquote(user)}:{unquote(password or '')}".encode()).decode()
+    return {"Proxy-Authorization": f"Basic {token}"}
+
+
+@cache
+def _tls() -> ssl.SSLContext:
+    """One context for every connection: making one reads the system's certificates again."""
+    return ssl.create_default_context()

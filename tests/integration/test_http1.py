@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import upstream
 from simulate.fakes.processes import free_port
+from spotdrain import http1
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Request-Id: abc\r\nX-Twice: 1\r\nX-Twice: 2\r\n"
 
@@ -33,15 +33,15 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
     return [data[a:b] for a, b in itertools.pairwise(points) if data[a:b]]
 
 
-def answer_of(blocks: list[bytes], *, closed: bool = True) -> upstream.Answer:
+def answer_of(blocks: list[bytes], *, closed: bool = True) -> http1.Answer:
     """An answer whose connection has already brought ``blocks`` (and ended, when ``closed``)."""
-    protocol = upstream._Protocol()
+    protocol = http1._Protocol()
     protocol.blocks.extend(blocks)
     protocol.eof = closed
-    return upstream.Answer(protocol, "http://127.0.0.1:1")
+    return http1.Answer(protocol, "http://127.0.0.1:1")
 
 
-async def body_of(answer: upstream.Answer) -> bytes:
+async def body_of(answer: http1.Answer) -> bytes:
     await answer._read_head()
     return await answer.read()
 
@@ -107,21 +107,25 @@ async def test_a_connection_that_ends_before_the_body_does_is_a_reset(wire: byte
     ],
 )
 async def test_bytes_that_are_not_an_http_answer_are_a_bad_answer(wire: bytes) -> None:
-    with pytest.raises(upstream.BadAnswer):
+    with pytest.raises(http1.BadAnswer):
         await body_of(answer_of([wire]))
 
 
 @asynccontextmanager
 async def server(answer: Callable[[bytes], list[bytes]]) -> AsyncIterator[int]:
-    """A raw server on 127.0.0.1: reads a request's head and body, writes ``answer(request)``, closes."""
+    """A raw server on 127.0.0.1: reads a request's head and body, writes ``answer(request)`` (an empty piece: a
+    pause of 5 s), closes."""
     got: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+        lengths = (int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+        length = next(lengths, 0)
         request = head + await reader.readexactly(length)
         got.append(request)
         for piece in answer(request):
+            if not piece:
+                await asyncio.sleep(5)
             writer.write(piece)
             await writer.drain()
             await asyncio.sleep(0.01)
@@ -145,7 +149,7 @@ async def test_the_request_carries_the_body_and_headers_given_and_asks_to_close_
 
     async with server(answer) as port:
         url = f"http://127.0.0.1:{port}"
-        got = await upstream.connect(url, connect_s=1)
+        got = await http1.connect(url, connect_s=1)
         headers = {"Authorization": "Bearer t", "Content-Type": "application/json", "Connection": "keep-alive"}
         await got.send("/v1/completions", b'{"stream":true}', headers)
         blocks = [block async for block in got.body()]
@@ -166,13 +170,65 @@ async def test_the_request_carries_the_body_and_headers_given_and_asks_to_close_
 
 async def test_a_refused_connection_is_an_os_error() -> None:
     with pytest.raises(OSError):  # noqa: PT011 - the relay calls any OSError at connect "unavailable"
-        await upstream.connect(f"http://127.0.0.1:{free_port()}", connect_s=1)
+        await http1.connect(f"http://127.0.0.1:{free_port()}", connect_s=1)
 
 
 async def test_a_backend_that_closes_inside_its_body_ends_the_answer_with_a_reset() -> None:
     async with server(lambda _: [HEAD + b"Transfer-Encoding: chunked\r\n\r\n", b"5\r\nhel"]) as port:
-        got = await upstream.connect(f"http://127.0.0.1:{port}", connect_s=1)
+        got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1)
         await got.send("/", b"", {})
         with pytest.raises(ConnectionResetError):
             await got.read()
         got.close()
+
+
+SIZED = HEAD + b"Content-Length: 10\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    ("pieces", "raised"),
+    [
+        ([SIZED + b"0123", b"456", b"789"], None),
+        ([SIZED + b"0123", b"456"], ConnectionResetError),  # the connection closed short of the length
+        ([SIZED + b"0123", b""], TimeoutError),  # the server holds, sending nothing
+        ([SIZED + b"0123", b"456789 and bytes past the length"], None),
+    ],
+)
+async def test_a_sized_body_is_written_straight_from_each_read_and_ends_where_its_length_does(
+    pieces: list[bytes], raised: type[Exception] | None
+) -> None:
+    written: list[bytes] = []
+    async with server(lambda _: pieces) as port:
+        got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1)
+        await got.send("/model.safetensors?X-Amz-Signature=abc", b"", {"Range": "bytes=0-9"}, method="GET")
+        assert got.length == 10
+        if raised is None:
+            await got.write_body(lambda view: written.append(bytes(view)), idle_s=1)
+        else:
+            with pytest.raises(raised):
+                await got.write_body(lambda view: written.append(bytes(view)), idle_s=0.3)
+        got.close()
+    assert b"".join(written) == b"0123456789"[: sum(map(len, written))]
+    if raised is None:
+        assert b"".join(written) == b"0123456789"
+
+
+async def test_what_the_writer_raises_comes_out_of_the_read_and_a_get_carries_no_body() -> None:
+    requests: list[bytes] = []
+
+    def answer(request: bytes) -> list[bytes]:
+        requests.append(request)
+        return [SIZED + b"0123", b"456789"]
+
+    def full(view: memoryview) -> None:
+        raise OSError(28, "No space left on device")
+
+    async with server(answer) as port:
+        got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1)
+        await got.send("/f?a=1", b"", {}, method="GET")
+        with pytest.raises(OSError, match="No space left"):
+            await got.write_body(full, idle_s=1)
+        got.close()
+    lines = requests[0].split(b"\r\n")
+    assert lines[0] == b"GET /f?a=1 HTTP/1.1"
+    assert not any(line.lower().startswith(b"content-length") for line in lines)
