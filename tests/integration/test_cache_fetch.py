@@ -238,8 +238,10 @@ async def test_a_file_with_wrong_bytes_is_fetched_again_and_twice_wrong_is_an_er
     bucket: str, cache: Path, front: tuple[FaultyServer, str]
 ) -> None:
     front[0].fail("wrong", "config.json")
+    front[0].fail("wrong", "model-00001-of-00002.safetensors")  # its CRC64NVME taken as the bytes arrive
     await fetch(s3_settings(bucket, cache, front))
     assert_published_whole(cache)
+    assert len(front[0].ranges("model-00001-of-00002.safetensors")) == 2 + 2  # the whole file again
 
     front[0].fail("wrong", "tokenizer.json", times=2)
     with pytest.raises(FetchError, match=r"tokenizer/tokenizer\.json: md5 .* \(fetched twice\)") as raised:

@@ -27,7 +27,7 @@ from agent.cache.fetch.sources import (
     relative_path,
     s3_checksums,
 )
-from agent.cache.fetch.verify import check_file
+from agent.cache.fetch.verify import Digest, check_file, crc_of
 from spotdrain.cli import build_parser, main
 
 
@@ -259,3 +259,29 @@ def test_a_file_is_checked_against_its_first_checksum_only(tmp_path: Path) -> No
     data = b"weights"
     first = Checksum("crc32", zlib.crc32(data).to_bytes(4, "big").hex())
     assert _checked(tmp_path, data, RemoteFile("f", len(data), (first, Checksum("md5", "0" * 32)))) == (None, first)
+
+
+@pytest.mark.parametrize("kind", ["crc64nvme", "crc32c", "crc32"])
+def test_part_crcs_taken_as_they_arrived_combine_with_parts_read_back_into_the_files_crc(
+    tmp_path: Path, kind: str
+) -> None:
+    """Parts 0 and 2 of 4 hashed as they arrived, parts 1 and 3 (the short last one) read back: the file's CRC. A
+    part whose CRC is known but whose bytes on disk differ is not read again: what arrived is what was hashed."""
+    part_size, data = 1024 * 1024, os.urandom(3 * 1024 * 1024 + 11)
+    crc = crc_of(RemoteFile("f", len(data), (Checksum(kind, "0"),)))
+    assert crc is not None
+    width = 8 if kind == "crc64nvme" else 4
+    checksum = Checksum(kind, crc(data, 0).to_bytes(width, "big").hex())
+    file = RemoteFile("f", len(data), (checksum,))
+    arrived = {0: crc(data[:part_size], 0), 2: crc(data[2 * part_size : 3 * part_size], 0)}
+    path = tmp_path / "f"
+    path.write_bytes(data[:part_size].replace(b"\0", b"\1") + data[part_size:])  # part 0's bytes: not read again
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        digest = Digest(file)
+        for upto in (part_size, 3 * part_size, len(data)):  # fed as far as the file is written, part by part
+            digest.feed(fd, upto, arrived, part_size)
+        assert digest.check(fd) == (None, checksum)
+    finally:
+        os.close(fd)
+    assert crc_of(RemoteFile("f", 1, (Checksum("sha256", "0"), checksum))) is None  # the first checksum decides

@@ -27,7 +27,7 @@ from agent.cache.fetch.progress import Progress
 from agent.cache.fetch.sources import Checksum, RemoteFile
 from agent.cache.fetch.staging import write_json
 from agent.cache.fetch.transfer import FetchError, Limits, disk_error, get_part
-from agent.cache.fetch.verify import Digest
+from agent.cache.fetch.verify import Digest, crc_of
 from spotdrain.retry import BACKOFF_S, ApiError, retrying
 
 log = structlog.get_logger()
@@ -46,6 +46,7 @@ class FileState:
     verified: Checksum | None = None
     digest: Digest | None = None  # this round's
     frontier: int = 0  # the first part not yet written: the file is whole before it
+    crcs: dict[int, int] = field(default_factory=dict)  # this round's parts' CRCs, taken as they arrived, by index
     advanced: asyncio.Event = field(default_factory=asyncio.Event)  # a part of this file was written
 
 
@@ -103,7 +104,7 @@ class Transfers:
     async def _round(self, states: list[FileState]) -> None:
         missing = []
         for state in states:
-            state.problem, state.digest, state.frontier = None, Digest(state.file), 0
+            state.problem, state.digest, state.frontier, state.crcs = None, Digest(state.file), 0, {}
             missing.append(parts_of(state.file, self.part_size, skip=frozenset(state.done)))
             state.left = len(missing[-1])
         # The files' parts in turn: every file is written from its start at once, so each is hashed in a thread of
@@ -143,11 +144,16 @@ class Transfers:
     async def _fetch(self, part: Part, state: FileState) -> None:
         path = part.file.path
 
-        async def attempt() -> None:
-            await get_part(self.url(part.file), part, state.fd, limits=self.limits, on_bytes=self.progress.add)
+        async def attempt() -> int | None:
+            return await get_part(
+                self.url(part.file), part, state.fd, limits=self.limits, on_bytes=self.progress.add, crc=crc
+            )
 
+        crc = crc_of(part.file)
         try:
-            await retrying(attempt, what=f"GET {path} bytes {part.start}-{part.end - 1}", backoff_s=self.backoff_s)
+            value = await retrying(
+                attempt, what=f"GET {path} bytes {part.start}-{part.end - 1}", backoff_s=self.backoff_s
+            )
         except ApiError as error:
             if error.status == 404:
                 raise FetchError(
@@ -157,6 +163,8 @@ class Transfers:
             raise FetchError(f"{path}: {error}", reason=reason, transient=error.transient) from None
         except OSError as error:
             raise disk_error(error, path) from None
+        if value is not None:
+            state.crcs[part.index] = value  # before the part counts as written, so the digest finds it
 
     async def _verify(self, state: FileState) -> None:
         """Hashes the file as far as it is written from its start, until all of it is; then checks it."""
@@ -166,7 +174,8 @@ class Transfers:
             state.advanced.clear()
             upto = self._whole_to(state)
             if upto > digest.offset:
-                await asyncio.to_thread(digest.feed, state.fd, min(upto, digest.offset + HASH_STEP))
+                upto = min(upto, digest.offset + max(1, HASH_STEP // self.part_size) * self.part_size)  # whole parts
+                await asyncio.to_thread(digest.feed, state.fd, upto, dict(state.crcs), self.part_size)
             elif state.left == 0:
                 break
             else:

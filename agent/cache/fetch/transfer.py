@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
 from agent.cache.fetch.parts import Part
+from agent.cache.fetch.verify import Crc
 from spotdrain import http1
 from spotdrain.retry import ApiError, retry_after
 
@@ -50,17 +51,20 @@ def disk_error(error: OSError, path: str) -> FetchError:
     return FetchError(f"{path}: {error}", reason="disk")
 
 
-async def get_part(url: str, part: Part, fd: int, *, limits: Limits, on_bytes: Callable[[int], None]) -> None:
+async def get_part(
+    url: str, part: Part, fd: int, *, limits: Limits, on_bytes: Callable[[int], None], crc: Crc | None = None
+) -> int | None:
     """GET the part's range and write it at its offset; ApiError for anything short of the whole range, OSError
-    for the disk.
+    for the disk. Returns the part's ``crc``, taken from its bytes as they were written, where one is given.
 
     ``on_bytes`` is told of every write (negative once, for what a failed attempt had written).
     """
     written = 0
+    value = 0
     disk: list[OSError] = []
 
     def write(view: memoryview) -> None:
-        nonlocal written
+        nonlocal written, value
         if written + len(view) > part.size:
             raise ApiError(0, f"the body ran past the {part.size} bytes asked for", failure="malformed")
         try:
@@ -68,6 +72,8 @@ async def get_part(url: str, part: Part, fd: int, *, limits: Limits, on_bytes: C
         except OSError as error:
             disk.append(error)  # the disk's, kept apart from the connection's own OSErrors
             raise
+        if crc is not None:
+            value = crc(view, value)
         written += len(view)
         on_bytes(len(view))
 
@@ -84,6 +90,7 @@ async def get_part(url: str, part: Part, fd: int, *, limits: Limits, on_bytes: C
                     write(memoryview(block))
         if written != part.size:
             raise ApiError(0, f"the body ended at {written} of {part.size} bytes")
+        return value if crc is not None else None
     except TimeoutError:
         on_bytes(-written)
         raise ApiError(0, "no answer in time", failure="timeout") from None

@@ -2,9 +2,11 @@
 ``.safetensors`` file's header parses (8 bytes little-endian header length, then that much JSON whose tensors'
 ``data_offsets`` lie inside the file: https://github.com/huggingface/safetensors#format).
 
-The file is read back in 1 MiB chunks (from the page cache, just written), never whole, and in order: a ``Digest``
-is fed as far as the file is written from its start, so a fetch hashes while the rest of the file arrives and only
-the last stretch remains when its last part lands.
+A ``Digest`` is fed in order, as far as the file is written from its start, so a fetch hashes while the rest of the
+file arrives and only the last stretch remains when its last part lands. A CRC is taken from each part's bytes as
+they arrive (``crc_of``) and the parts' CRCs are combined in order, so the file is not read again; the other kinds,
+and parts an earlier fetch left on disk, are read back in 1 MiB chunks (from the page cache, just written), never
+whole.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from awscrt import checksums as crt
@@ -28,6 +30,17 @@ MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the format's own limit
 # CRC32 (zlib) 1,900, SHA-256 1,400, MD5 630.
 _CRCS: dict[str, Callable[[Any, int], int]] = {"crc64nvme": crt.crc64nvme, "crc32c": crt.crc32c, "crc32": zlib.crc32}
 _CRC_BYTES = {"crc64nvme": 8, "crc32c": 4, "crc32": 4}
+_COMBINE: dict[str, Callable[[int, int, int], int]] = {
+    "crc64nvme": crt.combine_crc64nvme,
+    "crc32c": crt.combine_crc32c,
+    "crc32": crt.combine_crc32,
+}
+Crc = Callable[[Any, int], int]  # (bytes, the CRC so far) -> the CRC with them
+
+
+def crc_of(file: RemoteFile) -> Crc | None:
+    """The CRC the file is checked against, where it is one: its parts can then be hashed as they arrive."""
+    return _CRCS.get(file.checksums[0].kind) if file.checksums else None
 
 
 class _Hash:
@@ -61,6 +74,10 @@ class _Hash:
             if self.part_left == 0:
                 self._next_part()
 
+    def combine(self, crc: int, length: int) -> None:
+        """The CRC of ``length`` bytes more, taken as they arrived."""
+        self.crc = _COMBINE[self.checksum.kind](self.crc, crc, length)
+
     def _next_part(self) -> None:
         self.part_digests.append(self.hasher.digest())
         self.hasher, self.part_left = hashlib.md5(), self.checksum.part_size
@@ -85,13 +102,25 @@ class Digest:
         self._hash = _Hash(file.checksums[0], file.size) if file.checksums else None
         self._buffer = bytearray(CHUNK) if file.checksums else bytearray()
 
-    def feed(self, fd: int, upto: int) -> None:
-        """Hash the file's bytes from ``offset`` to ``upto``; raises OSError, or EOFError where the file ends first."""
+    def feed(self, fd: int, upto: int, parts: Mapping[int, int] | None = None, part_size: int = 0) -> None:
+        """Hash the file's bytes from ``offset`` to ``upto``; raises OSError, or EOFError where the file ends first.
+
+        ``parts``: the CRCs of whole parts (of ``part_size`` bytes) taken as they arrived, by index; those parts are
+        not read."""
         if self._hash is None:
             self.offset = max(self.offset, upto)
             return
         while self.offset < upto:
-            view = memoryview(self._buffer)[: min(CHUNK, upto - self.offset)]
+            stop = min(upto, self.offset + CHUNK)
+            if parts:
+                index, into = divmod(self.offset, part_size)
+                end = min((index + 1) * part_size, self.file.size)
+                if into == 0 and index in parts and end <= upto:
+                    self._hash.combine(parts[index], end - self.offset)
+                    self.offset = end
+                    continue
+                stop = min(stop, end)  # a read ends at the part's end: the next may be known
+            view = memoryview(self._buffer)[: stop - self.offset]
             count = os.preadv(fd, [view], self.offset)
             if count == 0:
                 raise EOFError(f"{self.file.path}: ended at {self.offset} of {upto} bytes")
