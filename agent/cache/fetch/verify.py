@@ -28,14 +28,14 @@ MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the format's own limit
 # One file is checked against its first checksum, the cheapest the source gives. This check, file read back from the
 # page cache, on one core (bench/cache_fetch.py's checksum rows): CRC64NVME and CRC32C (awscrt) about 7,000 MiB/s,
 # CRC32 (zlib) 1,900, SHA-256 1,400, MD5 630.
-_CRCS: dict[str, Callable[[Any, int], int]] = {"crc64nvme": crt.crc64nvme, "crc32c": crt.crc32c, "crc32": zlib.crc32}
+Crc = Callable[[Any, int], int]  # (bytes, the CRC so far) -> the CRC with them
+_CRCS: dict[str, Crc] = {"crc64nvme": crt.crc64nvme, "crc32c": crt.crc32c, "crc32": zlib.crc32}
 _CRC_BYTES = {"crc64nvme": 8, "crc32c": 4, "crc32": 4}
 _COMBINE: dict[str, Callable[[int, int, int], int]] = {
     "crc64nvme": crt.combine_crc64nvme,
     "crc32c": crt.combine_crc32c,
     "crc32": crt.combine_crc32,
 }
-Crc = Callable[[Any, int], int]  # (bytes, the CRC so far) -> the CRC with them
 
 
 def crc_of(file: RemoteFile) -> Crc | None:
