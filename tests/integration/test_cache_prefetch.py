@@ -31,7 +31,7 @@ from simulate.fakes.mirror import FaultyServer
 from simulate.fakes.processes import free_port, wait_http
 from spotdrain.metrics import CollectorRegistry, exposition
 from spotdrain.ratelimit import RateLimiter
-from tests.conftest import serving_app
+from tests.conftest import serving_app, until
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE = "gpu-1"
@@ -292,7 +292,8 @@ async def test_the_command_serves_its_metrics_until_sigterm_and_exits_0(
                     break
                 await asyncio.sleep(0.05)
         assert 'spotdrain_model_prefetch_models{state="ready"} 1.0' in text
-        assert model_labels(kube) == {"spotdrain.io/model.b": "ready"}
+        # The metric counts the model ready as the label's patch is sent: the label follows within its round trip.
+        await until(lambda: model_labels(kube) == {"spotdrain.io/model.b": "ready"}, timeout_s=10)
         process.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(process.communicate(), 10)
     finally:
