@@ -4,6 +4,7 @@ body exactly; a cut, a refusal and bytes that are not HTTP each end it the way t
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -232,3 +233,28 @@ async def test_what_the_writer_raises_comes_out_of_the_read_and_a_get_carries_no
     lines = requests[0].split(b"\r\n")
     assert lines[0] == b"GET /f?a=1 HTTP/1.1"
     assert not any(line.lower().startswith(b"content-length") for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("answer", "raised"),
+    [
+        (b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n", ConnectionRefusedError),
+        (b"", TimeoutError),  # the proxy holds the tunnel's request
+        (b"<html>a captive portal</html>\r\n\r\n", http1.BadAnswer),
+    ],
+)
+async def test_a_proxy_that_refuses_holds_or_answers_garbage_to_connect_gives_no_connection(
+    answer: bytes, raised: type[Exception]
+) -> None:
+    requests: list[bytes] = []
+
+    def proxy(request: bytes) -> list[bytes]:
+        requests.append(request)
+        return [answer]
+
+    async with server(proxy) as port:
+        with pytest.raises(raised):
+            await http1.connect("https://models.example:8443", connect_s=0.5, proxy=f"http://u:p%40ss@127.0.0.1:{port}")
+    lines = requests[0].split(b"\r\n")
+    assert lines[0] == b"CONNECT models.example:8443 HTTP/1.1"
+    assert b"Proxy-Authorization: Basic " + base64.b64encode(b"u:p@ss") in lines
