@@ -16,6 +16,7 @@ import ssl
 import struct
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -30,6 +31,7 @@ import pytest
 from awscrt import checksums as crt
 from structlog.testing import capture_logs
 
+from agent.cache.fetch.download import _start_writeback
 from agent.cache.fetch.parts import MANIFEST, PROGRESS
 from agent.cache.fetch.run import fetch, fetch_until_done
 from agent.cache.fetch.settings import MIB, FetchSettings
@@ -648,3 +650,43 @@ async def test_a_mirror_over_http_is_fetched_through_the_environments_proxy_in_a
     assert_published_whole(cache)
     absolute = [line for line, _ in seen if line.startswith(f"GET {mirror[1]}/org/llama/resolve/v1/")]
     assert len(absolute) == len([s for s in mirror[0].requests if s.method == "GET" and "/resolve/" in s.path])
+
+
+def test_a_written_part_is_on_its_way_to_the_disk_before_any_fsync(tmp_path: Path) -> None:
+    """The writeback each part starts: the loop device's own count of sectors written grows by the part without a
+    fsync, where by itself the kernel would hold the dirty pages for 30 s (``vm.dirty_expire_centisecs``)."""
+    missing = [tool for tool in ("losetup", "mkfs.ext4") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        pytest.skip(f"a loop device needs root, losetup and mkfs.ext4; missing {missing or ['root']}")
+    image, disk = tmp_path / "disk.img", tmp_path / "disk"
+    with image.open("wb") as file:
+        file.truncate(64 * MIB)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    attached = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True)
+    if attached.returncode != 0:
+        pytest.skip(f"cannot attach a loop device here: {attached.stderr.strip()}")
+    device = attached.stdout.strip()
+    stat = Path("/sys/block") / Path(device).name / "stat"
+
+    def sectors_written() -> int:
+        return int(stat.read_text().split()[6])
+
+    disk.mkdir()
+    try:
+        _mount(["mount", device, str(disk)], device)
+        fd = os.open(disk / "part", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, os.urandom(8 * MIB), 0)
+            before = sectors_written()
+            time.sleep(0.5)
+            assert sectors_written() - before < 8 * MIB // 512  # dirty, and left so
+            _start_writeback(fd, 0, 8 * MIB)
+            give_up = time.monotonic() + 10
+            while sectors_written() - before < 8 * MIB // 512 and time.monotonic() < give_up:
+                time.sleep(0.05)
+            assert sectors_written() - before >= 8 * MIB // 512
+        finally:
+            os.close(fd)
+            subprocess.run(["umount", str(disk)], check=True)
+    finally:
+        subprocess.run(["losetup", "-d", device], capture_output=True)
