@@ -56,6 +56,7 @@ def test_at_a_tiny_size_every_row_is_a_checked_figure_or_a_reason(tmp_path: Path
         prefetch = rows["spotdrain prefetch", "default", source]
         assert prefetch["verified"] is True, prefetch  # the node the fake API serves names the model; it landed whole
         assert rows["spotdrain", "default", source]["verified"] is True, rows["spotdrain", "default", source]
+        assert 0 < rows["spotdrain", "default", source]["transfer_s"] < rows["spotdrain", "default", source]["seconds"]
     assert rows["disk", "sequential write", ""]["mib_per_s"] > 0
     # The disk held to 64 MiB/s, where root and the kernel's write throttle let it be made; else why not. (8 MiB
     # pass within the throttle's first time slice: that it holds a longer write is test_limited_disk's.)
@@ -166,9 +167,9 @@ def rows(ours_default, ours_tuned, *, source, rss=120.0, prefetch_rss=140.0):
     ]
 
 limited = [
-    Row("disk", LIMITED_WRITE, mib_per_s=200.0),
+    Row("disk", LIMITED_WRITE, mib_per_s=200.0, seconds=10.24),
     Row("spotdrain", LIMITED, mib_per_s=185.0, source=MD5_ETAG),
-    Row("spotdrain", LIMITED, mib_per_s=190.0, source=CRC64NVME),
+    Row("spotdrain", LIMITED, mib_per_s=190.0, seconds=10.779, transfer_s=10.4, source=CRC64NVME),
     Row("s5cmd", LIMITED, mib_per_s=170.0, source=MD5_ETAG),
     Row("s5cmd", LIMITED, skipped="run 2 exited with 1: no space", source=CRC64NVME),
 ]
@@ -203,7 +204,9 @@ def test_each_target_is_judged_only_where_both_of_its_figures_were_measured() ->
     assert (share["value"], share["passed"]) == (0.95, True)
     assert share["detail"] == (
         "ours 190.0 MiB/s (default, limited disk, crc64nvme), the disk 200.0 MiB/s; the source (400.0 MiB/s) is not"
-        " faster than the disk (550.0 MiB/s), so on a disk held below both; s5cmd there 170.0 MiB/s (md5 etag)"
+        " faster than the disk (550.0 MiB/s), so on a disk held below both; s5cmd there 170.0 MiB/s (md5 etag); of"
+        " ours' 10.779 s, the transfer from its listing to the model published took 10.4 s (0.985 of the disk's rate),"
+        " the rest was its start and listing"
     )
     assert limited["cache_fetch_vs_s5cmd_default"]["value"] == round(490 / 500, 3)  # the limited rows stay apart
     assert unmade["cache_fetch_share_of_disk_write"]["skipped"] == (
