@@ -290,8 +290,9 @@ LIMITED, LIMITED_WRITE = "default, limited disk", "sequential write, limited dis
 
 
 def _limit(bench: Bench, reference: list[Row], stack: ExitStack) -> int | str:
-    """Where the source is not faster than the destination, a disk limited to half the slower of the two, made and
-    set as ``bench.limited`` (undone with ``stack``): its rate in MiB/s, or why there is none."""
+    """Where the source is not faster than the destination, a disk limited to half the slower of the two (or, in
+    any case, to ``--limited-disk``), made and set as ``bench.limited`` (undone with ``stack``): its rate in MiB/s,
+    or why there is none."""
     by = {(r.tool, r.config): r for r in reference}
     disk = by[("disk", "sequential write")].mib_per_s
     sources = [rate for r in (by[("source", ONE_GET)], by[("source", EVERY_GET)]) if (rate := r.mib_per_s)]
