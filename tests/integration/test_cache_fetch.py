@@ -420,21 +420,28 @@ def small_disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]
         yield small
         subprocess.run(["umount", str(small)], check=True)
         return
+    with ext4_on_a_loop_device(tmp_path / "small.img", 6 * MIB, small):
+        yield small
+
+
+@contextlib.contextmanager
+def ext4_on_a_loop_device(image: Path, size: int, mountpoint: Path) -> Iterator[str]:
+    """A new ext4 of ``size`` bytes in ``image``, attached and mounted at ``mountpoint``; yields the device. Skips
+    the test where that cannot be had here."""
     missing = [tool for tool in ("losetup", "mkfs.ext4") if shutil.which(tool) is None]
     if missing or os.geteuid() != 0:
         pytest.skip(f"a loop device needs root, losetup and mkfs.ext4; missing {missing or ['root']}")
-    image = tmp_path / "small.img"
     with image.open("wb") as file:
-        file.truncate(6 * MIB)
+        file.truncate(size)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
     attached = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True)
     if attached.returncode != 0:
         pytest.skip(f"cannot attach a loop device here: {attached.stderr.strip()}")
     device = attached.stdout.strip()
     try:
-        _mount(["mount", device, str(small)], f"{device}")
-        yield small
-        subprocess.run(["umount", str(small)], check=True)
+        _mount(["mount", device, str(mountpoint)], device)
+        yield device
+        subprocess.run(["umount", str(mountpoint)], check=True)
     finally:
         subprocess.run(["losetup", "-d", device], capture_output=True)
 
@@ -655,25 +662,14 @@ async def test_a_mirror_over_http_is_fetched_through_the_environments_proxy_in_a
 def test_a_written_part_is_on_its_way_to_the_disk_before_any_fsync(tmp_path: Path) -> None:
     """The writeback each part starts: the loop device's own count of sectors written grows by the part without a
     fsync, where by itself the kernel would hold the dirty pages for 30 s (``vm.dirty_expire_centisecs``)."""
-    missing = [tool for tool in ("losetup", "mkfs.ext4") if shutil.which(tool) is None]
-    if missing or os.geteuid() != 0:
-        pytest.skip(f"a loop device needs root, losetup and mkfs.ext4; missing {missing or ['root']}")
-    image, disk = tmp_path / "disk.img", tmp_path / "disk"
-    with image.open("wb") as file:
-        file.truncate(64 * MIB)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
-    attached = subprocess.run(["losetup", "--find", "--show", str(image)], capture_output=True, text=True)
-    if attached.returncode != 0:
-        pytest.skip(f"cannot attach a loop device here: {attached.stderr.strip()}")
-    device = attached.stdout.strip()
-    stat = Path("/sys/block") / Path(device).name / "stat"
-
-    def sectors_written() -> int:
-        return int(stat.read_text().split()[6])
-
+    disk = tmp_path / "disk"
     disk.mkdir()
-    try:
-        _mount(["mount", device, str(disk)], device)
+    with ext4_on_a_loop_device(tmp_path / "disk.img", 64 * MIB, disk) as device:
+        stat = Path("/sys/block") / Path(device).name / "stat"
+
+        def sectors_written() -> int:
+            return int(stat.read_text().split()[6])
+
         fd = os.open(disk / "part", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             os.pwrite(fd, os.urandom(8 * MIB), 0)
@@ -687,6 +683,3 @@ def test_a_written_part_is_on_its_way_to_the_disk_before_any_fsync(tmp_path: Pat
             assert sectors_written() - before >= 8 * MIB // 512
         finally:
             os.close(fd)
-            subprocess.run(["umount", str(disk)], check=True)
-    finally:
-        subprocess.run(["losetup", "-d", device], capture_output=True)
