@@ -7,17 +7,25 @@ import json
 import os
 import socket
 import sys
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
 
+_GIVEN: deque[int] = deque(maxlen=256)
+
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port free on 127.0.0.1 now, and none of the last ones this process was given: the kernel may give two
+    probes in a row the same port, and a program given it twice (metrics and notices) fails to bind the second."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.append(port)
+            return port
 
 
 async def wait_http(url: str, *, timeout_s: float = 10.0, status: int | None = None) -> None:
