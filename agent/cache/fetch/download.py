@@ -5,10 +5,9 @@ open. The kernel is asked to start writing each part to the disk as soon as it i
 the disk is busy from the first part on, not from the first fsync: where the disk is slower than the source, the
 fetch ends about when the disk has taken the last part. Written parts are fsynced and recorded as done at every
 checkpoint (about twice a second, and at the end), so a fetch killed at any moment leaves a record of only parts
-whose bytes are on disk. Each file's checksum is fed, in
-a thread, as far as the file is written from its start while its other parts arrive; once its last part is written,
-what is left is hashed and the file checked. A file whose check fails is fetched again once; a second failure ends
-the fetch with an error naming it.
+whose bytes are on disk. Each file's checksum is fed, in a thread, as far as the file is written from its start while
+its other parts arrive; once its last part is written, what is left is hashed and the file checked. A file whose
+check fails is fetched again once; a second failure ends the fetch with an error naming it.
 """
 
 from __future__ import annotations
