@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,3 +67,37 @@ def pss_mb(pid: int, *, proc: Path = Path("/proc")) -> float | None:
         if line.startswith("Pss:"):
             return int(line.split()[1]) / 1024
     return None
+
+
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process under it."""
+    found = [pid]
+    for child in _children(pid):
+        found += tree(child)
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    with suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with suppress(OSError):  # a thread that ended meanwhile
+                children += [int(x) for x in (task / "children").read_text().split()]
+    return children
+
+
+def tree_cpu_s(pid: int) -> float:
+    total = 0.0
+    for each in tree(pid):
+        with suppress(OSError, RuntimeError):
+            total += cpu_s(each)
+    return total
+
+
+def tree_rss_mb(pid: int) -> tuple[float, float]:
+    """Resident memory of the whole tree, and of its largest process."""
+    sizes = []
+    for each in tree(pid):
+        with suppress(OSError, RuntimeError, StopIteration):
+            sizes.append(rss_mb(each))
+    return sum(sizes), max(sizes, default=0.0)

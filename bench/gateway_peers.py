@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
-from bench.common import Result, cpu_s, rss_mb
+from bench.common import Result, tree_cpu_s, tree_rss_mb
 from bench.peer_figures import DIRECT, LOADS, Load, Run, Target, merged, results, table
 from bench.peer_routers import LITELLM_SKIPPED, Missing, Peer, argv_for, routers
 from gateway.cpus import default_workers
@@ -37,40 +37,6 @@ from simulate.fakes.processes import free_port, wait_http
 ROUNDS = int(os.environ.get("SPOTDRAIN_BENCH_ROUNDS", "3"))
 SPOTDRAIN = f"spotdrain ({default_workers()} workers)"
 SPOTDRAIN_ONE = "spotdrain (1 worker)"
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and every process under it."""
-    found = [pid]
-    for child in _children(pid):
-        found += tree(child)
-    return found
-
-
-def _children(pid: int) -> list[int]:
-    children: list[int] = []
-    with suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with suppress(OSError):  # a thread that ended meanwhile
-                children += [int(x) for x in (task / "children").read_text().split()]
-    return children
-
-
-def tree_cpu_s(pid: int) -> float:
-    total = 0.0
-    for each in tree(pid):
-        with suppress(OSError, RuntimeError):
-            total += cpu_s(each)
-    return total
-
-
-def tree_rss_mb(pid: int) -> tuple[float, float]:
-    """Resident memory of the whole tree, and of its largest process."""
-    sizes = []
-    for each in tree(pid):
-        with suppress(OSError, RuntimeError, StopIteration):
-            sizes.append(rss_mb(each))
-    return sum(sizes), max(sizes, default=0.0)
 
 
 async def _spawn(argv: Sequence[str], log: Path) -> asyncio.subprocess.Process:
