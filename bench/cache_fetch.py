@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -131,16 +132,16 @@ def warm(files: list[Path]) -> None:
                 pass
 
 
-def disk_write_s(dest: Path, total_bytes: int) -> float:
+def disk_write_s(dest: Path, total_bytes: int, settle: Callable[[], None]) -> float:
     """Seconds to write ``total_bytes`` in 16 MiB writes to a new file in ``dest`` and fsync it: the faster of
     writing through the page cache and with ``O_DIRECT`` (the disk's own rate, where the filesystem takes it), each
-    from a dropped cache."""
+    after ``settle`` (the page cache written back, and dropped)."""
     path = dest / "disk-reference"
     block = mmap.mmap(-1, WRITE_BLOCK)  # page-aligned, as O_DIRECT needs
     block.write(os.urandom(WRITE_BLOCK))
     times = []
     for flags in (0, getattr(os, "O_DIRECT", 0)):
-        drop_page_cache()
+        settle()
         started = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
         try:
@@ -196,11 +197,15 @@ class Bench:
             shutil.rmtree(way.wipe, ignore_errors=True)
             if way.tool.startswith("spotdrain"):  # the cache exists, mounted, before anything is fetched into it
                 way.wipe.mkdir(parents=True)
+        self.settle()
+        warm(self.source.files)
+
+    def settle(self) -> None:
+        """Dirty pages written back and, unless told not to (``--no-drop-caches``), the clean ones dropped."""
         if self.options.drop_caches:
             self.dropped.append(drop_page_cache())
         else:
             os.sync()
-        warm(self.source.files)
 
     def run_way(self, way: Way, server: Server, run: int, source: str = MD5_ETAG) -> None:
         key = (way.tool, way.config, source)
@@ -276,8 +281,7 @@ def _reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> 
     total = bench.options.total_bytes
     writes = []
     for _ in range(bench.options.runs):
-        bench.prepare(None)
-        writes.append(disk_write_s(bench.dest, total))
+        writes.append(disk_write_s(bench.dest, total, bench.settle))
     disk = Row("disk", "sequential write", WRITES, verified=None)
     disk.seconds, disk.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
     disk.mib_per_s = round(total / MIB / min(writes), 1)
@@ -401,8 +405,7 @@ def _measured_rows(bench: Bench, server: Server, found: list[Way | Missing], sou
             if isinstance(way, Way):
                 bench.run_way(way, server, run, source)
         if bench.limited is not None:
-            bench.prepare(None)
-            bench.limited_writes.append(disk_write_s(bench.limited, bench.options.total_bytes))
+            bench.limited_writes.append(disk_write_s(bench.limited, bench.options.total_bytes, bench.settle))
     rows = []
     for way in found:
         if isinstance(way, Missing):
