@@ -16,7 +16,9 @@ import structlog
 from gateway.backends import Pool, health_checker
 from gateway.endpoints import endpoint_follower, migrator
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import api_app
+from gateway.proxy import api, refused
+from gateway.server import Server
+from gateway.server import serve as serve_api
 from gateway.settings import GatewaySettings, from_arguments
 from gateway.stalls import PROBE_TIMEOUT_S, STALL_CHECK_S, stall_watcher
 from gateway.streaming import Gateway
@@ -38,8 +40,13 @@ async def api_server(
     ``shared``: other workers bind the same port."""
     await after.wait()
     settings = gateway.settings
-    app = api_app(gateway)
-    await serve(app, host=settings.host, port=settings.port, ready_flag=ready_flag, name="api", reuse_port=shared)
+    server = Server(
+        api(gateway),
+        refused=refused(gateway),
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.timeouts.read_s,
+    )
+    await serve_api(server, host=settings.host, port=settings.port, reuse_port=shared, ready_flag=ready_flag)
 
 
 async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = None, worker: bool = False) -> int:

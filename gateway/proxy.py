@@ -1,28 +1,42 @@
-"""The gateway's HTTP API: the OpenAI routes it proxies, /health, and the 413 for bodies over the limit."""
+"""The gateway's HTTP API: the OpenAI routes it proxies, and /health."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from gateway.relay import forwarded
+from gateway.server import Connection, Request
 from gateway.streaming import Gateway, no_backend_answer, stream
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Route = Callable[[Gateway, Request, Connection], Awaitable[web.Response | None]]
 
 
-def api_app(gateway: Gateway) -> web.Application:
-    app = web.Application(client_max_size=gateway.settings.max_body_bytes)
-    app.router.add_post("/v1/completions", _generation(gateway, "/v1/completions", chat=False))
-    app.router.add_post("/v1/chat/completions", _generation(gateway, "/v1/chat/completions", chat=True))
-    app.router.add_get("/v1/models", _passthrough(gateway))
-    app.router.add_get("/health", _health(gateway))
-    return app
+def api(gateway: Gateway) -> Callable[[Request, Connection], Awaitable[None]]:
+    """The handler of every request (gateway.server): its route's answer, 404 for an unknown path, 405 for a
+    method the path does not take."""
+
+    async def handle(request: Request, connection: Connection) -> None:
+        methods = ROUTES.get(request.path)
+        if methods is None:
+            response: web.Response | None = _plain(404, "Not Found")
+        elif (route := methods.get("GET" if request.method == "HEAD" else request.method)) is None:
+            response = _plain(405, "Method Not Allowed")
+            response.headers["Allow"] = ", ".join(methods)
+        else:
+            response = await route(gateway, request, connection)
+        if response is not None:
+            connection.answer(response)
+
+    return handle
+
+
+def _plain(status: int, text: str) -> web.Response:
+    return web.Response(status=status, text=f"{status}: {text}")
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
@@ -33,50 +47,53 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _generation(gateway: Gateway, path: str, *, chat: bool) -> Handler:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        try:
-            async with asyncio.timeout(gateway.settings.timeouts.read_s):
-                raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            gateway.metrics.requests.labels(outcome="rejected").inc()
-            raise
-        except TimeoutError:
-            gateway.metrics.requests.labels(outcome="abandoned").inc()
-            return web.Response(status=408, text="the request body did not arrive in time\n")
-        body = _json_object(raw)
-        if body is not None and body.get("stream") is True:
-            return await stream(gateway, request, path=path, body=body, raw=raw, chat=chat)
-        # Not streamed, or not JSON at all (the backend answers that with its own 400).
-        return await forward(gateway, request, raw=raw)
-
-    return handler
+async def _generation(gateway: Gateway, request: Request, connection: Connection) -> web.Response | None:
+    body = _json_object(request.body)
+    if body is not None and body.get("stream") is True:
+        chat = request.path == "/v1/chat/completions"
+        return await stream(gateway, request, connection, body=body, chat=chat)
+    # Not streamed, or not JSON at all (the backend answers that with its own 400).
+    return await forward(gateway, request.method, request.target, request.headers, raw=request.body)
 
 
-def _passthrough(gateway: Gateway) -> Handler:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await forward(gateway, request, raw=None)
-
-    return handler
+async def _passthrough(gateway: Gateway, request: Request, _: Connection) -> web.Response:
+    return await forward(gateway, "GET", request.target, request.headers, raw=None)
 
 
-def _health(gateway: Gateway) -> Handler:
-    async def handler(_: web.Request) -> web.Response:
-        ready = sum(b.ready for b in gateway.pool.backends)
-        status = 200 if ready else 503
-        return web.Response(status=status, text=f"{ready}/{len(gateway.pool.backends)} backends ready\n")
-
-    return handler
+async def _health(gateway: Gateway, _: Request, __: Connection) -> web.Response:
+    ready = sum(b.ready for b in gateway.pool.backends)
+    status = 200 if ready else 503
+    return web.Response(status=status, text=f"{ready}/{len(gateway.pool.backends)} backends ready\n")
 
 
-async def forward(gateway: Gateway, request: web.Request, *, raw: bytes | None) -> web.Response:
+ROUTES: dict[str, dict[str, Route]] = {
+    "/v1/completions": {"POST": _generation},
+    "/v1/chat/completions": {"POST": _generation},
+    "/v1/models": {"GET": _passthrough},
+    "/health": {"GET": _health},
+}
+
+
+def refused(gateway: Gateway) -> Callable[[int], None]:
+    """Count a request the server answered itself: its body never arrived in time (408), or it could not be taken
+    (over the body limit, a head that is not HTTP)."""
+
+    def count(status: int) -> None:
+        gateway.metrics.requests.labels(outcome="abandoned" if status == 408 else "rejected").inc()
+
+    return count
+
+
+async def forward(
+    gateway: Gateway, method: str, target: str, headers: Mapping[str, str], *, raw: bytes | None
+) -> web.Response:
     """A whole request and answer, not streamed: re-sent to another backend when one fails before answering.
 
     Tries at most ``--migration-limit`` + 1 backends; a 4xx is the client's answer and is never retried.
     """
     timeouts = gateway.settings.timeouts
     timeout = aiohttp.ClientTimeout(total=timeouts.request_s, sock_connect=timeouts.connect_s)
-    headers = forwarded(request.headers)
+    headers = forwarded(headers)
     avoid: set[str] = set()
     cause = ""
     for attempt in range(gateway.settings.migration.limit + 1):
@@ -87,7 +104,7 @@ async def forward(gateway: Gateway, request: web.Request, *, raw: bytes | None) 
             gateway.metrics.continuations.labels(cause=cause).inc()
         try:
             async with gateway.session.request(
-                request.method, backend.url + request.path_qs, data=raw, headers=headers, timeout=timeout
+                method, backend.url + target, data=raw, headers=headers, timeout=timeout
             ) as answer:
                 body = await answer.read()
                 if answer.status < 500:

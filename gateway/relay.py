@@ -7,16 +7,14 @@ Every await is bounded: connecting by ``connect_s``, each read from the backend 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover
+from gateway.server import Connection
 from gateway.settings import TimeoutSettings
 from gateway.splice import Broken, End, Splicer
 from gateway.sse import EventTooLarge, SseParser
@@ -73,37 +71,35 @@ class Rejected:
 
 
 class ClientStream:
-    """The response to the client: headers go out with the first backend that streams; writes are bounded."""
+    """The answer to the client: its head goes out with the first backend that streams; writes are bounded."""
 
-    def __init__(self, request: web.Request, *, write_timeout_s: float, on_gap: Callable[[float], None]) -> None:
-        self.request = request
+    def __init__(self, connection: Connection, *, write_timeout_s: float, on_gap: Callable[[float], None]) -> None:
+        self.connection = connection
         self.write_timeout_s = write_timeout_s
         self.on_gap = on_gap  # seconds between the last chunk before a break and the first after it
-        self.response: web.StreamResponse | None = None
+        self.started = False
         self.last_write = time.monotonic()
         self.gap_from: float | None = None  # set at a break, until the continuation's first chunk
 
-    @property
-    def started(self) -> bool:
-        return self.response is not None
-
-    async def start(self, headers: Mapping[str, str]) -> None:
-        if self.response is None:
-            _bound_unsent(self.request.transport)
-            response = web.StreamResponse(status=200, headers=forwarded(headers))
-            await self._bounded(response.prepare(self.request))
-            self.response = response
-
-    async def write(self, data: bytes, *, content: bool = True) -> None:
-        assert self.response is not None
-        transport = self.request.transport
-        if transport is not None and transport.get_write_buffer_size() + len(data) < _UNBLOCKED_BYTES:
-            try:  # below the transport's high-water mark the write cannot wait: no timer needed
-                await self.response.write(data)
+    def start(self, headers: Mapping[str, str]) -> None:
+        if not self.started:
+            try:
+                self.connection.begin(forwarded(headers))
             except ConnectionError as error:
                 raise ClientGone(str(error)) from None
-        else:
-            await self._bounded(self.response.write(data))
+            self.started = True
+
+    async def write(self, data: bytes, *, content: bool = True) -> None:
+        try:
+            full = self.connection.send(data)
+        except ConnectionError as error:
+            raise ClientGone(str(error)) from None
+        if full:  # above the high-water mark: wait for the client to read, within the write timeout
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await self.connection.drain()
+            except (ConnectionError, TimeoutError) as error:
+                raise ClientGone(str(error)) from None
         if content:
             now = time.monotonic()
             if self.gap_from is not None:
@@ -111,24 +107,15 @@ class ClientStream:
                 self.gap_from = None
             self.last_write = now
 
+    def end(self) -> None:
+        try:
+            self.connection.finish()
+        except ConnectionError as error:
+            raise ClientGone(str(error)) from None
+
     def broke(self) -> None:
         if self.gap_from is None:
             self.gap_from = self.last_write
-
-    async def _bounded(self, call: Awaitable[object]) -> None:
-        try:
-            async with asyncio.timeout(self.write_timeout_s):
-                await call
-        except (ConnectionError, TimeoutError) as error:
-            raise ClientGone(str(error)) from None
-
-
-def _bound_unsent(transport: asyncio.BaseTransport | None) -> None:
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    if sock is not None and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, option, _KERNEL_UNSENT_BYTES)
 
 
 async def relay(
@@ -166,7 +153,7 @@ async def relay(
             return Rejected(answer.status, forwarded(answer.headers), await answer.read())
         if not answer.headers.get("Content-Type", "").startswith("text/event-stream"):
             return Broken("garbage", f"Content-Type {answer.headers.get('Content-Type')!r}")
-        await client.start(answer.headers)
+        client.start(answer.headers)
         if comment:
             await client.write(comment, content=False)
         return await _events(answer, splicer, client, mover)

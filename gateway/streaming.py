@@ -21,6 +21,7 @@ from gateway.backends import Backend, Mover, Pool, context_length
 from gateway.continuation import continuation, refusal, refusal_at_start, remaining_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
+from gateway.server import Connection, Request
 from gateway.settings import GatewaySettings
 from gateway.splice import Broken, End, Finished, Splicer, error_event
 from gateway.token_ids import FIELD, asked, refuses_ids, with_ids
@@ -53,19 +54,19 @@ def no_backend_answer(message: str, *, status: int = 503) -> web.Response:
 
 
 async def stream(
-    gateway: Gateway, request: web.Request, *, path: str, body: dict[str, Any], raw: bytes, chat: bool
-) -> web.StreamResponse:
-    """Serve one streamed request; the outcome is counted once, whatever ends it."""
+    gateway: Gateway, request: Request, connection: Connection, *, body: dict[str, Any], chat: bool
+) -> web.Response | None:
+    """Serve one streamed request: a whole answer to send where the stream did not start, else None (the stream
+    was sent, or the client has gone). The outcome is counted once, whatever ends it."""
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    run = _Run(
-        gateway, request, path=path, body=body, chat=chat, splicer=Splicer(chat=chat, include_usage=include_usage)
-    )
+    splicer = Splicer(chat=chat, include_usage=include_usage)
+    run = _Run(gateway, request, connection, body=body, chat=chat, splicer=splicer)
     gateway.metrics.open_streams.inc()
     try:
-        response, outcome = await run.serve(raw)
+        response, outcome = await run.serve(request.body)
     except ClientGone:
-        response, outcome = run.client.response or web.Response(status=499), "abandoned"
+        response, outcome = None, "abandoned"
     finally:
         gateway.metrics.open_streams.dec()
     gateway.metrics.requests.labels(outcome=outcome).inc()
@@ -83,16 +84,23 @@ class _Request:
 
 class _Run:
     def __init__(
-        self, gateway: Gateway, request: web.Request, *, path: str, body: dict[str, Any], chat: bool, splicer: Splicer
+        self,
+        gateway: Gateway,
+        request: Request,
+        connection: Connection,
+        *,
+        body: dict[str, Any],
+        chat: bool,
+        splicer: Splicer,
     ) -> None:
         self.gateway = gateway
-        self.path = path
+        self.request = request  # its headers are read again for each backend's request
+        self.path = request.path
         self.body = body
         self.chat = chat
         self.splicer = splicer
-        self.headers = request.headers  # read only: the request holds them for the stream's life, no copy needed
         self.client = ClientStream(
-            request, write_timeout_s=gateway.settings.timeouts.read_s, on_gap=gateway.metrics.splice_gap.observe
+            connection, write_timeout_s=gateway.settings.timeouts.read_s, on_gap=gateway.metrics.splice_gap.observe
         )
         self.continuations = 0
         self.asked = asked(body)  # the client wants token ids; else the gateway asks for them and hides them
@@ -103,7 +111,7 @@ class _Run:
         self.broken: tuple[str, Broken] | None = None  # the backend that failed last, and how
         self.restart = False  # the break came before any generated token: the request starts over
 
-    async def serve(self, original: bytes) -> tuple[web.StreamResponse, str]:
+    async def serve(self, original: bytes) -> tuple[web.Response | None, str]:
         avoid: set[str] = set()
         comment = b""
         pool = self.gateway.pool
@@ -167,7 +175,7 @@ class _Run:
         if self.broken is None or self.restart:
             self.splicer.source_chat = None
             method = "restart" if self.broken is not None else ""
-            headers = forwarded(self.headers)
+            headers = forwarded(self.request.headers)
             if self.asked or not self.wants_ids or not backend.token_ids:
                 return _Request(self.path, original, headers, method, asks_ids=False)
             return _Request(self.path, with_ids(self.body), headers, method, asks_ids=True)
@@ -185,11 +193,11 @@ class _Run:
         body.pop(FIELD, None)
         if backend.token_ids and (self.asked or plan.method == "token_ids"):
             body[FIELD] = True
-        headers = forwarded(self.headers)
+        headers = forwarded(self.request.headers)
         headers["Content-Type"] = "application/json"
         return _Request(plan.path, json.dumps(body).encode(), headers, plan.method, asks_ids=FIELD in body)
 
-    async def _end_after_break(self, broken: tuple[str, Broken]) -> tuple[web.StreamResponse, str] | None:
+    async def _end_after_break(self, broken: tuple[str, Broken]) -> tuple[web.Response | None, str] | None:
         """How the stream ends now that its backend broke, or None when it may continue."""
         self.client.broke()
         left = remaining_tokens(self.body, self.splicer, chat=self.chat)
@@ -224,13 +232,12 @@ class _Run:
             continuation=self.continuations,
         )
 
-    async def _finish(self) -> tuple[web.StreamResponse, str]:
+    async def _finish(self) -> tuple[None, str]:
         await self.client.write(self.splicer.tail(), content=False)
-        assert self.client.response is not None
-        await self.client.response.write_eof()
-        return self.client.response, "continued" if self.continuations else "completed"
+        self.client.end()
+        return None, "continued" if self.continuations else "completed"
 
-    async def _cut(self, reason: str, broken: tuple[str, Broken] | None) -> tuple[web.StreamResponse, str]:
+    async def _cut(self, reason: str, broken: tuple[str, Broken] | None) -> tuple[web.Response | None, str]:
         self.gateway.metrics.cuts.labels(reason=reason).inc()
         backend, end = broken if broken is not None else (None, None)
         log.warning(
@@ -245,6 +252,5 @@ class _Run:
         if not self.client.started:
             return no_backend_answer(message), "cut"
         await self.client.write(error_event(message) + b"data: [DONE]\n\n", content=False)
-        assert self.client.response is not None
-        await self.client.response.write_eof()
-        return self.client.response, "cut"
+        self.client.end()
+        return None, "cut"

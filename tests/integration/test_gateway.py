@@ -214,6 +214,42 @@ async def test_non_streamed_requests_models_and_health_pass_through() -> None:
     assert answer["choices"][0]["message"]["content"] == want.text
 
 
+async def test_one_keep_alive_connection_takes_models_streams_and_whole_answers_in_turn() -> None:
+    """As an OpenAI client's pooled connection is used: the gateway's own server serves every request on it."""
+    connector = aiohttp.TCPConnector(limit=1)
+    async with engines(HEALTHY) as ports, gateway(*ports) as gw, aiohttp.ClientSession(connector=connector) as session:
+        async with session.get(gw.url("/v1/models")) as models:
+            assert (await models.json())["data"][0]["id"] == HEALTHY.model
+        first = await read_stream(gw.url(COMPLETION[0]), COMPLETION[1], session=session)
+        async with session.post(gw.url("/v1/chat/completions"), json=CHAT[1]) as whole:
+            answer = await whole.json()
+        second = await read_stream(gw.url(CHAT[0]), CHAT[1], session=session)
+        async with session.get(gw.url("/nowhere")) as missing, session.get(gw.url(CHAT[0])) as wrong:
+            assert missing.status == 404
+            assert wrong.status == 405
+            assert wrong.headers["Allow"] == "POST"
+        opened = await metric(gw, "spotdrain_gateway_open_streams")
+    assert first.text == (await reference(*COMPLETION)).text
+    assert second.text == answer["choices"][0]["message"]["content"] == (await reference(*CHAT)).text
+    assert first.done == second.done == 1
+    assert opened == 0
+
+
+async def test_an_http_1_0_client_gets_the_stream_unframed_until_the_close() -> None:
+    async with engines(HEALTHY) as ports, gateway(*ports) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        body = json.dumps({**COMPLETION[1], "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        got = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    head, _, events = got.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head
+    datas = [line[6:] for line in events.split(b"\n") if line.startswith(b"data: ")]
+    assert datas[-1] == b"[DONE]"
+    text = "".join(json.loads(d)["choices"][0]["text"] for d in datas[:-1])
+    assert text == (await reference(*COMPLETION)).text
+
+
 async def test_a_backend_refusal_reaches_the_client_as_it_is() -> None:
     async with engines(HEALTHY) as ports, gateway(*ports) as gw, aiohttp.ClientSession() as session:
         got = await read_stream(gw.url("/v1/completions"), {"prompt": "x", "max_tokens": 0}, session=session)
