@@ -37,6 +37,7 @@ from simulate.fakes.processes import free_port, wait_http
 ROUNDS = int(os.environ.get("SPOTDRAIN_BENCH_ROUNDS", "3"))
 SPOTDRAIN = f"spotdrain ({default_workers()} workers)"
 SPOTDRAIN_ONE = "spotdrain (1 worker)"
+FLOOR = f"Python floor ({default_workers()} workers)"
 
 
 async def _spawn(argv: Sequence[str], log: Path) -> asyncio.subprocess.Process:
@@ -69,6 +70,12 @@ def ours(*, workers: int | None = None) -> Peer:
     if workers is None:
         return Peer(SPOTDRAIN, argv)
     return Peer(SPOTDRAIN_ONE, [*argv, "--workers", str(workers)])
+
+
+def floor() -> Peer:
+    """bench/python_relay.py: the least a Python proxy does per chunk, at the gateway's default worker count."""
+    argv = [sys.executable, "-m", "bench.python_relay", "--port", "{port}", "--backend", "{backend}"]
+    return Peer(FLOOR, [*argv, "--workers", str(default_workers())])
 
 
 async def client_run(url: str, load: Load) -> tuple[list[float], int, int, list[str]]:
@@ -127,7 +134,7 @@ async def play(workdir: Path, load: Load, peers: list[Peer]) -> list[Target]:
     source = [sys.executable, "-m", "bench.sse_source", "--port", str(backend_port), "--interval", str(load.interval_s)]
     async with started(source, workdir / "backend.log", f"{backend}/health"):
         targets = [Target(DIRECT, f"{backend}/v1/completions", None)]
-        await _with(workdir, load, [ours(), ours(workers=1), *peers], backend, targets)
+        await _with(workdir, load, [ours(), ours(workers=1), floor(), *peers], backend, targets)
     return targets
 
 
@@ -167,5 +174,5 @@ async def measure() -> list[Result]:
     for m in missing:
         print(f"{m.name}: skipped, {m.reason}", file=sys.stderr)
     peer_names = [p.name for p in peers]
-    figures = results(targets, missing, ours=SPOTDRAIN, peers=peer_names, rounds=ROUNDS)
+    figures = results(targets, missing, ours=SPOTDRAIN, peers=peer_names, floor=FLOOR, rounds=ROUNDS)
     return [*figures, *(Result.skip(f"gateway_peers_{m.name}", "x", 0, m.reason) for m in missing)]

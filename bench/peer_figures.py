@@ -119,10 +119,14 @@ def merged(by_load: dict[str, list[Target]]) -> list[Target]:
     return largest
 
 
-def results(targets: list[Target], missing: list[Missing], *, ours: str, peers: list[str], rounds: int) -> list[Result]:
-    """The results: the target named ``ours`` against the ``peers`` measured; ``missing`` ones say why not."""
+def results(
+    targets: list[Target], missing: list[Missing], *, ours: str, peers: list[str], floor: str | None, rounds: int
+) -> list[Result]:
+    """The results: the target named ``ours`` against the ``peers`` measured; ``missing`` ones say why not. The
+    ``floor`` target's CPU per chunk is given beside ours."""
     direct, gateway = targets[0], next(t for t in targets if t.name == ours)
     measured = [t for t in targets if t.name in peers]
+    least = next((t for t in targets if t.name == floor), None)
     detail = rounds_detail(direct, rounds)
     out = [_exact(targets, detail)]
     one, five = LOADS[0].name, LOADS[2].name
@@ -130,7 +134,7 @@ def results(targets: list[Target], missing: list[Missing], *, ours: str, peers: 
     out.append(_at_most("gateway_peers_p90_added_1_stream", p90, "ms", P90_ADDED_1_TARGET_MS, detail))
     p50 = added(gateway, direct, five, 0.5)
     out.append(_at_most("gateway_peers_p50_added_500_streams", p50, "ms", P50_ADDED_500_TARGET_MS, detail))
-    out += _ratios(gateway, direct, measured, missing, detail)
+    out += _ratios(gateway, direct, measured, missing, detail, floor=least)
     assert gateway.idle_mb is not None
     assert gateway.per_process_idle_mb is not None
     per_stream = (gateway.peak_mb - gateway.idle_mb) * 1024 / LOADS[-1].streams
@@ -161,14 +165,18 @@ def _exact(targets: list[Target], rounds: str) -> Result:
     return Result("gateway_peers_streams_not_exact", bad, "streams", 0, bad == 0, "; ".join(parts) + f"; {rounds}")
 
 
-def _ratios(ours: Target, direct: Target, peers: list[Target], missing: list[Missing], rounds: str) -> list[Result]:
+def _ratios(
+    ours: Target, direct: Target, peers: list[Target], missing: list[Missing], rounds: str, *, floor: Target | None
+) -> list[Result]:
     load = LOADS[1].name
     names = ("gateway_peers_cpu_per_chunk_ratio_100_streams", "gateway_peers_p99_ratio_100_streams")
     if not peers:
         why = "; ".join(f"{m.name}: {m.reason}" for m in missing) or "no peer router"
         return [Result.skip(names[0], "x", CPU_RATIO_TARGET, why), Result.skip(names[1], "x", P99_RATIO_TARGET, why)]
-    cpu = {t.name: cpu_per_chunk_us(t, load) or 0.0 for t in (ours, *peers)}
+    cpu = {t.name: cpu_per_chunk_us(t, load) or 0.0 for t in (ours, *peers, *([floor] if floor else []))}
     best_cpu = min(peers, key=lambda t: cpu[t.name])
+    # A Python proxy that parses nothing: how far below ours a Python relay can go at all.
+    beside = f"; {floor.name} {cpu[floor.name] / cpu[best_cpu.name]:.2f} times as much" if floor else ""
     p99 = {t.name: absolute(t, load, 0.99) for t in (ours, *peers)}
     p99_added = {t.name: added(t, direct, load, 0.99) for t in (ours, *peers)}
     best_p99 = min(peers, key=lambda t: p99[t.name])
@@ -180,7 +188,7 @@ def _ratios(ours: Target, direct: Target, peers: list[Target], missing: list[Mis
             cpu[ours.name] / cpu[best_cpu.name],
             "x",
             CPU_RATIO_TARGET,
-            f"against {best_cpu.name}; CPU per chunk: {cpu_detail}; {rounds}",
+            f"against {best_cpu.name}; CPU per chunk: {cpu_detail}{beside}; {rounds}",
         ),
         # The routers' p99 added is within the rounds' noise of the direct one (as often below it as above), so a
         # ratio of added figures would divide by noise: the ratio is of the p99 each delivers, direct included.

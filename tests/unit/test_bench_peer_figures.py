@@ -32,13 +32,16 @@ def named(figures):
 direct = target("direct", [1.0, 1.0], cpu_s=None)
 out = {
     "added": added(target("ours", [1.5, 5.2, 4.0]), target("direct", [1.0, 5.0, 2.0], cpu_s=None), LOADS[0].name, 0.5),
-    "not_exact": named(results([direct, target("ours", [1.1, 1.1], exact=False)], [], ours="ours", peers=[], rounds=2)),
+    "not_exact": named(
+        results([direct, target("ours", [1.1, 1.1], exact=False)], [], ours="ours", peers=[], floor=None, rounds=2)
+    ),
     "missing": named(
         results(
             [direct, target("ours", [1.1, 1.1])],
             [Missing("vllm-router 0.1.17", "pip install failed: no network")],
             ours="ours",
             peers=[],
+            floor=None,
             rounds=2,
         )
     ),
@@ -49,10 +52,12 @@ out = {
                 target("ours", [3.0, 3.0], cpu_s=0.3),
                 target("slow router", [4.0, 4.0], cpu_s=0.4),
                 target("fast router", [2.0, 2.0], cpu_s=0.1),
+                target("floor", [2.5, 2.5], cpu_s=0.2),
             ],
             [],
             ours="ours",
             peers=["slow router", "fast router"],
+            floor="floor",
             rounds=2,
         )
     ),
@@ -96,3 +101,9 @@ def test_the_ratios_are_to_the_better_peer(figures: dict[str, Any]) -> None:
     assert (cpu["value"], cpu["passed"]) == (3.0, False)
     assert (p99["value"], p99["passed"]) == (1.5, True)
     assert "against fast router" in p99["detail"]
+
+
+def test_the_python_floor_is_given_beside_the_cpu_ratio_and_never_taken_for_a_peer(figures: dict[str, Any]) -> None:
+    cpu = figures["peers"][RATIOS[0]]
+    assert "against fast router" in cpu["detail"]
+    assert "floor 2.00 times as much" in cpu["detail"]
