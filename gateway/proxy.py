@@ -10,7 +10,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.relay import forwarded
-from gateway.server import Connection, Request
+from gateway.request import Request
+from gateway.server import Connection
 from gateway.streaming import Gateway, no_backend_answer, stream
 
 Route = Callable[[Gateway, Request, Connection], Awaitable[web.Response | None]]

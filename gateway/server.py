@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -26,8 +25,8 @@ from http import HTTPStatus
 
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
 
+from gateway.request import BadRequest, Request, parse_head
 from spotdrain.http1 import BadAnswer, Dechunker
 
 log = structlog.get_logger()
@@ -41,74 +40,6 @@ HELD_MAX_BYTES = 64 * 1024  # a client's next request read while one is served, 
 # that is full: minutes of a backend's tokens, at streaming rates. Bytes in flight are not counted, so a client far
 # away still gets its full window (TCP_NOTSENT_LOWAT, Linux 3.12).
 KERNEL_UNSENT_BYTES = 16 * 1024
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 section 5.6.2
-_DECIMAL = re.compile(r"[0-9]{1,18}")
-
-
-class BadRequest(Exception):
-    """The client's bytes are not a request this server takes; ``status`` is its answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class Request:
-    """One request, read whole."""
-
-    __slots__ = ("body", "closes", "head", "method", "target")
-
-    def __init__(self, *, method: str, target: str, head: bytes, closes: bool) -> None:
-        self.method = method
-        self.target = target  # the path and query
-        self.head = head  # the header lines, as received
-        self.closes = closes  # the connection ends with this answer (HTTP/1.0, or Connection: close)
-        self.body = b""
-
-    @property
-    def path(self) -> str:
-        return self.target.partition("?")[0]
-
-    @property
-    def headers(self) -> CIMultiDict[str]:
-        """Parsed again at each call: a stream reads them at its start and at each continuation."""
-        return header_lines(self.head)
-
-
-def header_lines(head: bytes) -> CIMultiDict[str]:
-    """Header lines (CRLF between them); raises BadRequest for a line that is not one (obsolete folding included)."""
-    headers: CIMultiDict[str] = CIMultiDict()
-    for line in head.decode("latin-1").split("\r\n") if head else ():
-        name, colon, value = line.partition(":")
-        if not colon or not _TOKEN.fullmatch(name):
-            raise BadRequest(400, f"not a header line: {line[:80]!r}")
-        headers.add(name, value.strip(" \t"))
-    return headers
-
-
-def parse_head(data: bytes) -> tuple[Request, int | None, bool]:
-    """A request's head (without its blank line): the request, its body's length (None: chunked), and whether it
-    expects ``100 Continue`` before sending the body; raises BadRequest."""
-    line, _, head = data.partition(b"\r\n")
-    parts = line.decode("latin-1").split(" ")
-    method, target, version = parts if len(parts) == 3 else ("", "", "")
-    if not _TOKEN.fullmatch(method) or not target.startswith("/") or version not in ("HTTP/1.1", "HTTP/1.0"):
-        raise BadRequest(400, f"not a request line: {line[:80]!r}")
-    headers = header_lines(head)
-    options = {token.strip().lower() for token in ",".join(headers.getall("Connection", [])).split(",")}
-    closes = "close" in options or version == "HTTP/1.0"  # a stream to HTTP/1.0 cannot be chunked: it ends so
-    lengths = set(headers.getall("Content-Length", []))
-    coding = ",".join(headers.getall("Transfer-Encoding", [])).lower().replace(" ", "")
-    if coding and lengths:  # RFC 9112 section 6.1: a request with both is an attempt at smuggling
-        raise BadRequest(400, "both Transfer-Encoding and Content-Length")
-    if coding and coding != "chunked":
-        raise BadRequest(501, f"Transfer-Encoding {coding!r}")
-    length = next(iter(lengths), "0")
-    if len(lengths) > 1 or not _DECIMAL.fullmatch(length):
-        raise BadRequest(400, f"Content-Length {sorted(lengths)!r}")
-    expects = headers.get("Expect", "").lower() == "100-continue"
-    request = Request(method=method, target=target, head=head, closes=closes)
-    return request, None if coding else int(length), expects
 
 
 Handler = Callable[["Request", "Connection"], Awaitable[None]]
@@ -252,13 +183,15 @@ class Connection(asyncio.Protocol):
         if not self._lowat:
             self._lowat = True
             _bound_unsent(transport)
-        framing = "Connection: close" if self.request.closes else "Transfer-Encoding: chunked"
-        transport.write(_head(200, headers, f"Date: {self.server.date()}", framing))
+        lines = [f"Date: {self.server.date()}"]
+        lines += ["Transfer-Encoding: chunked"] if self.request.chunked else []
+        lines += ["Connection: close"] if self.request.closes else []
+        transport.write(_head(200, headers, *lines))
 
     def send(self, data: bytes) -> bool:
         """One piece of the stream; True where the client's buffer is full and ``drain`` is to be awaited."""
         assert self.request is not None
-        self._live().write(data if self.request.closes else b"%x\r\n%b\r\n" % (len(data), data))
+        self._live().write(b"%x\r\n%b\r\n" % (len(data), data) if self.request.chunked else data)
         return self._writable is not None
 
     async def drain(self) -> None:
@@ -270,7 +203,7 @@ class Connection(asyncio.Protocol):
     def finish(self) -> None:
         """The stream's end."""
         assert self.request is not None
-        if not self.request.closes:
+        if self.request.chunked:
             self._live().write(b"0\r\n\r\n")
         self._finished = True
 

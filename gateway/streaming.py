@@ -21,7 +21,8 @@ from gateway.backends import Backend, Mover, Pool, context_length
 from gateway.continuation import continuation, refusal, refusal_at_start, remaining_tokens
 from gateway.metrics import GatewayMetrics
 from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
-from gateway.server import Connection, Request
+from gateway.request import Request
+from gateway.server import Connection
 from gateway.settings import GatewaySettings
 from gateway.splice import Broken, End, Finished, Splicer, error_event
 from gateway.token_ids import FIELD, asked, refuses_ids, with_ids

@@ -1,0 +1,81 @@
+"""A request's head as the gateway's server reads it: the request line, the headers, and how its body is framed.
+
+Pure: bytes in, a ``Request`` (or ``BadRequest`` with the status to answer) out.
+"""
+
+from __future__ import annotations
+
+import re
+
+from multidict import CIMultiDict
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 section 5.6.2
+_DECIMAL = re.compile(r"[0-9]{1,18}")
+
+
+class BadRequest(Exception):
+    """The client's bytes are not a request this server takes; ``status`` is its answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Request:
+    """One request, read whole."""
+
+    __slots__ = ("body", "chunked", "closes", "head", "method", "target")
+
+    def __init__(self, *, method: str, target: str, head: bytes, closes: bool, chunked: bool) -> None:
+        self.method = method
+        self.target = target  # the path and query
+        self.head = head  # the header lines, as received
+        self.closes = closes  # the connection ends with this answer (HTTP/1.0, or Connection: close)
+        self.chunked = chunked  # a stream to it is chunked (HTTP/1.1), so a cut one is told from a whole one
+        self.body = b""
+
+    @property
+    def path(self) -> str:
+        return self.target.partition("?")[0]
+
+    @property
+    def headers(self) -> CIMultiDict[str]:
+        """Parsed again at each call: a stream reads them at its start and at each continuation."""
+        return header_lines(self.head)
+
+
+def header_lines(head: bytes) -> CIMultiDict[str]:
+    """Header lines (CRLF between them); raises BadRequest for a line that is not one (obsolete folding included)."""
+    headers: CIMultiDict[str] = CIMultiDict()
+    for line in head.decode("latin-1").split("\r\n") if head else ():
+        name, colon, value = line.partition(":")
+        if not colon or not _TOKEN.fullmatch(name):
+            raise BadRequest(400, f"not a header line: {line[:80]!r}")
+        headers.add(name, value.strip(" \t"))
+    return headers
+
+
+def parse_head(data: bytes) -> tuple[Request, int | None, bool]:
+    """A request's head (without its blank line): the request, its body's length (None: chunked), and whether it
+    expects ``100 Continue`` before sending the body; raises BadRequest."""
+    line, _, head = data.partition(b"\r\n")
+    parts = line.decode("latin-1").split(" ")
+    method, target, version = parts if len(parts) == 3 else ("", "", "")
+    if not _TOKEN.fullmatch(method) or not target.startswith("/") or version not in ("HTTP/1.1", "HTTP/1.0"):
+        raise BadRequest(400, f"not a request line: {line[:80]!r}")
+    headers = header_lines(head)
+    options = {token.strip().lower() for token in ",".join(headers.getall("Connection", [])).split(",")}
+    chunked = version == "HTTP/1.1"
+    closes = "close" in options or not chunked  # a stream to HTTP/1.0 cannot be chunked: its end is the close
+    lengths = set(headers.getall("Content-Length", []))
+    coding = ",".join(headers.getall("Transfer-Encoding", [])).lower().replace(" ", "")
+    if coding and lengths:  # RFC 9112 section 6.1: a request with both is an attempt at smuggling
+        raise BadRequest(400, "both Transfer-Encoding and Content-Length")
+    if coding and coding != "chunked":
+        raise BadRequest(501, f"Transfer-Encoding {coding!r}")
+    length = next(iter(lengths), "0")
+    if len(lengths) > 1 or not _DECIMAL.fullmatch(length):
+        raise BadRequest(400, f"Content-Length {sorted(lengths)!r}")
+    expects = headers.get("Expect", "").lower() == "100-continue"
+    request = Request(method=method, target=target, head=head, closes=closes, chunked=chunked)
+    return request, None if coding else int(length), expects
