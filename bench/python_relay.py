@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import os
+import signal
 from urllib.parse import urlsplit
 
 from gateway.main import loop_factory
 
 _HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
 _HOP = (b"connection", b"keep-alive", b"host")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class _Backend(asyncio.Protocol):
@@ -88,6 +91,7 @@ def main() -> None:
     backend = (url.hostname or "127.0.0.1", url.port or 80)
     for _ in range(args.workers - 1):
         if os.fork() == 0:
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no worker outlives the first
             break
     with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the gateway's loop: uvloop where it is installed
         runner.run(_serve(args.port, backend))

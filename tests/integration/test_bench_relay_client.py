@@ -76,6 +76,23 @@ async def test_an_untouched_stream_from_the_benchmark_backend_is_exact(tmp_path:
     assert len(tally["latencies_ms"]) == TOKENS
 
 
+async def test_the_python_floor_relays_the_benchmark_backends_stream_exactly(tmp_path: Path) -> None:
+    """bench/python_relay.py, the floor set beside the gateway: it must pass every byte as it came, or its CPU figure
+    is not one of a relay."""
+    port, relay_port = free_port(), free_port()
+    backend = await start(["-m", "bench.sse_source", "--port", str(port), "--interval", "0"], log_path=tmp_path / "b")
+    argv = ["-m", "bench.python_relay", "--port", str(relay_port), "--backend", f"http://127.0.0.1:{port}"]
+    relay = await start([*argv, "--workers", "2"], log_path=tmp_path / "r")
+    try:
+        await wait_http(f"http://127.0.0.1:{relay_port}/health", status=200)
+        tallies = [await tally_of(relay_port) for _ in range(3)]
+    finally:
+        for process in (relay, backend):
+            process.kill()
+            await process.wait()
+    assert [(t["streams"], t["exact"], t["faults"]) for t in tallies] == [(1, 1, [])] * 3
+
+
 @pytest.mark.parametrize(
     "mangle",
     [
