@@ -47,15 +47,6 @@ def forwarded(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED)
 
 
-# asyncio's default high-water mark for a transport's write buffer; aiohttp awaits a drain only above it.
-_UNBLOCKED_BYTES = 64 * 1024
-# What the kernel may hold of a client's stream that it has not sent yet. Without a bound, Linux grows a socket's
-# send buffer to tcp_wmem's maximum (4 MB) for a client that stopped reading, so the write timeout starts only once
-# that is full: minutes of a backend's tokens, at streaming rates. Bytes in flight are not counted, so a client far
-# away still gets its full window (TCP_NOTSENT_LOWAT, Linux 3.12).
-_KERNEL_UNSENT_BYTES = 16 * 1024
-
-
 class ClientGone(Exception):
     """The client closed its connection or stopped reading: nothing more can reach it."""
 

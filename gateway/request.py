@@ -11,6 +11,9 @@ from multidict import CIMultiDict
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 section 5.6.2
 _DECIMAL = re.compile(r"[0-9]{1,18}")
+# Control characters (RFC 9110 section 5.5 allows none but HTAB in a field value): a bare LF passed on to a backend
+# would be a line break there, a header the client smuggled into the gateway's own request.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class BadRequest(Exception):
@@ -49,7 +52,7 @@ def header_lines(head: bytes) -> CIMultiDict[str]:
     headers: CIMultiDict[str] = CIMultiDict()
     for line in head.decode("latin-1").split("\r\n") if head else ():
         name, colon, value = line.partition(":")
-        if not colon or not _TOKEN.fullmatch(name):
+        if not colon or not _TOKEN.fullmatch(name) or _CONTROL.search(value):
             raise BadRequest(400, f"not a header line: {line[:80]!r}")
         headers.add(name, value.strip(" \t"))
     return headers
@@ -61,7 +64,12 @@ def parse_head(data: bytes) -> tuple[Request, int | None, bool]:
     line, _, head = data.partition(b"\r\n")
     parts = line.decode("latin-1").split(" ")
     method, target, version = parts if len(parts) == 3 else ("", "", "")
-    if not _TOKEN.fullmatch(method) or not target.startswith("/") or version not in ("HTTP/1.1", "HTTP/1.0"):
+    if (
+        not _TOKEN.fullmatch(method)
+        or not target.startswith("/")
+        or _CONTROL.search(target)
+        or version not in ("HTTP/1.1", "HTTP/1.0")
+    ):
         raise BadRequest(400, f"not a request line: {line[:80]!r}")
     headers = header_lines(head)
     options = {token.strip().lower() for token in ",".join(headers.getall("Connection", [])).split(",")}

@@ -361,7 +361,11 @@ def _head(status: int, headers: Mapping[str, str], *lines: str) -> bytes:
     except ValueError:
         reason = ""
     fields = [f"{name}: {value}" for name, value in headers.items()]
-    return "\r\n".join([f"HTTP/1.1 {status} {reason}", *fields, *lines]).encode("latin-1") + b"\r\n\r\n"
+    text = "\r\n".join([f"HTTP/1.1 {status} {reason}", *fields, *lines])
+    try:  # a head read by the gateway's reader is latin-1, as it came; aiohttp's client decodes UTF-8
+        return text.encode("latin-1") + b"\r\n\r\n"
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape") + b"\r\n\r\n"
 
 
 def _bound_unsent(transport: asyncio.BaseTransport) -> None:

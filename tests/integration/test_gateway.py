@@ -261,7 +261,7 @@ async def test_headers_pass_through_both_ways() -> None:
 
     async def echo(request: web.Request) -> web.Response:
         seen.append(request.headers.get("Authorization"))
-        return web.json_response({"object": "list", "data": []}, headers={"X-Request-Id": "abc"})
+        return web.json_response({"object": "list", "data": []}, headers={"X-Request-Id": "abc", "X-Name": "caf\u20ac"})
 
     async def health(_: web.Request) -> web.Response:
         return web.Response()
@@ -276,6 +276,7 @@ async def test_headers_pass_through_both_ways() -> None:
         session.get(gw.url("/v1/models"), headers={"Authorization": "Bearer k"}) as response,
     ):
         assert response.headers["X-Request-Id"] == "abc"
+        assert response.headers["X-Name"] == "caf\u20ac"  # not latin-1: as the backend's UTF-8 bytes
     assert seen == ["Bearer k"]
 
 

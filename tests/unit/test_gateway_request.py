@@ -30,6 +30,9 @@ def test_a_head_gives_its_method_target_framing_and_whether_the_connection_ends(
         (b"POST / HTTP/1.1\r\nContent-Length: 1_0", 400),
         (b"POST / HTTP/1.1\r\nContent-Length: \xb2", 400),
         (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked, gzip", 501),
+        (b"POST / HTTP/1.1\r\nX-A: a\nContent-Length: 5", 400),
+        (b"POST / HTTP/1.1\r\nX-A: a\x00b", 400),
+        (b"GET /a\x7fb HTTP/1.1", 400),
     ],
 )
 def test_a_head_that_is_not_one_is_a_bad_request_with_its_status(head: bytes, status: int) -> None:
@@ -50,3 +53,4 @@ def test_any_bytes_as_a_head_are_a_request_or_a_bad_request(data: bytes) -> None
     assert data.startswith(f"{request.method} {request.target} HTTP/1.".encode("latin-1"))
     assert length is None or length >= 0
     assert all(name.strip() == name for name in request.headers)  # its headers read again as they were read
+    assert not any(c in value for value in request.headers.values() for c in "\r\n\x00")
