@@ -32,15 +32,16 @@ def key_of(body: Any) -> str | None:
     return None
 
 
-def tokens_in(data: bytes) -> int:
+def tokens_in(data: bytes) -> tuple[int, bool]:
+    """The event's token count, and whether it carries the stream's finish_reason."""
     try:
         chunk = json.loads(data)
     except ValueError:
-        return 0
+        return 0, False
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
     if not choices or not isinstance(choices[0], dict):
-        return 0
-    return len(choices[0].get("token_ids") or ())
+        return 0, False
+    return len(choices[0].get("token_ids") or ()), choices[0].get("finish_reason") is not None
 
 
 @dataclass
@@ -48,6 +49,10 @@ class CutProxy:
     upstream: str
     cuts: dict[str, int] = field(default_factory=dict)  # request key -> tokens after which its stream is dropped
     done: list[str] = field(default_factory=list)  # the keys whose stream was dropped, in order
+    # Of those, the ones dropped right after the chunk with their finish_reason: vLLM merges tokens into one chunk as
+    # it pleases, so a cut placed before the last tokens of a reference can fall on the last chunk of the live stream,
+    # and nothing is left to continue.
+    whole: list[str] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -83,9 +88,12 @@ class CutProxy:
         async for block in up.content.iter_any():
             for data in parser.feed(block):
                 await response.write(b"data: " + data + b"\n\n")
-                tokens += tokens_in(data)
+                count, finished = tokens_in(data)
+                tokens += count
                 if cut is not None and tokens >= cut and key is not None:
                     self.done.append(key)
+                    if finished:
+                        self.whole.append(key)
                     if request.transport is not None:
                         request.transport.abort()  # as a dead pod's connection goes: no [DONE], no last chunk
                     return
