@@ -81,22 +81,30 @@ class ClientStream:
             self.started = True
 
     async def write(self, data: bytes, *, content: bool = True) -> None:
+        if self.send(data, content=content):
+            await self.drain()
+
+    def send(self, data: bytes, *, content: bool = True) -> bool:
+        """Write ``data`` now; True where the client's buffer is full and ``drain`` is to be awaited."""
         try:
             full = self.connection.send(data)
         except ConnectionError as error:
             raise ClientGone(str(error)) from None
-        if full:  # above the high-water mark: wait for the client to read, within the write timeout
-            try:
-                async with asyncio.timeout(self.write_timeout_s):
-                    await self.connection.drain()
-            except (ConnectionError, TimeoutError) as error:
-                raise ClientGone(str(error)) from None
         if content:
             now = time.monotonic()
             if self.gap_from is not None:
                 self.on_gap(now - self.gap_from)
                 self.gap_from = None
             self.last_write = now
+        return full
+
+    async def drain(self) -> None:
+        """Until the client has read enough, within the write timeout."""
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await self.connection.drain()
+        except (ConnectionError, TimeoutError) as error:
+            raise ClientGone(str(error)) from None
 
     def end(self) -> None:
         try:
@@ -164,33 +172,55 @@ async def relay(
 
 
 async def _events(answer: http1.Answer, splicer: Splicer, client: ClientStream, mover: Mover) -> End:
-    parser = SseParser()
-    async for block in answer.body():
-        mover.heard(time.monotonic())
-        try:
-            events = parser.feed(block)
-        except EventTooLarge as error:
-            return Broken("garbage", str(error))
-        if (end := await _relay_events(events, splicer, client)) is not None:
-            return end
-    if (end := await _relay_events(parser.close(), splicer, client)) is not None:
+    events = _Events(splicer, client, mover)
+    while await answer.deliver(events.take):
+        if events.end is not None:
+            return events.end
+        await client.drain()
+    if (end := events.close()) is not None:
         return end
-    if parser.junk:
-        return Broken("garbage", f"{parser.junk} lines that are not server-sent events")
+    if events.parser.junk:
+        return Broken("garbage", f"{events.parser.junk} lines that are not server-sent events")
     return Broken("reset", "the stream closed before its end")
 
 
-async def _relay_events(events: list[bytes], splicer: Splicer, client: ClientStream) -> End | None:
-    """Relay what one block of the backend's bytes completed, in one write; how the stream ended, if it did."""
-    out = []
-    end = None
-    for data in events:
-        step = splicer.accept(data)
-        if step.out:
-            out.append(step.out)
-        if step.end is not None:
-            end = step.end
-            break
-    if out:
-        await client.write(b"".join(out))
-    return end
+class _Events:
+    """One backend's events through the splicer to the client, as the backend's bytes are read: in the read's own
+    callback, so a chunk costs no task switch."""
+
+    __slots__ = ("client", "end", "mover", "parser", "splicer")
+
+    def __init__(self, splicer: Splicer, client: ClientStream, mover: Mover) -> None:
+        self.parser = SseParser()
+        self.splicer = splicer
+        self.client = client
+        self.mover = mover
+        self.end: End | None = None
+
+    def take(self, data: bytes) -> bool:
+        """Relay the events ``data`` completes, in one write; True where the relay must wait: the stream ended, or the
+        client's buffer is full. Raises ClientGone."""
+        self.mover.heard(time.monotonic())
+        try:
+            events = self.parser.feed(data)
+        except EventTooLarge as error:
+            self.end = Broken("garbage", str(error))
+            return True
+        return self._relay(events)
+
+    def close(self) -> End | None:
+        """How the stream ended, from the events a CR held back at its end."""
+        self._relay(self.parser.close())
+        return self.end
+
+    def _relay(self, events: list[bytes]) -> bool:
+        out = []
+        for data in events:
+            step = self.splicer.accept(data)
+            if step.out:
+                out.append(step.out)
+            if step.end is not None:
+                self.end = step.end
+                break
+        full = self.client.send(b"".join(out)) if out else False
+        return full or self.end is not None

@@ -64,9 +64,8 @@ class _Protocol(asyncio.BufferedProtocol):
             return
         self.blocks.append(bytes(_VIEW[:nbytes]))
         self.held += nbytes
-        if self.held > HELD_MAX_BYTES and self.transport is not None and not self.paused:
-            self.paused = True  # the client reads slower than the backend writes: let the kernel hold the rest
-            self.transport.pause_reading()
+        if self.held > HELD_MAX_BYTES:
+            self.pause()  # the reader reads slower than the server writes: let the kernel hold the rest
         self.wake()
 
     def eof_received(self) -> bool:
@@ -83,7 +82,7 @@ class _Protocol(asyncio.BufferedProtocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def wait(self, timeout_s: float) -> None:
+    async def wait(self, timeout_s: float | None = None) -> None:
         """Until woken (a read, the end of the connection), or TimeoutError after ``timeout_s``."""
         self._waiter = asyncio.get_running_loop().create_future()
         try:
@@ -91,6 +90,16 @@ class _Protocol(asyncio.BufferedProtocol):
                 await self._waiter
         finally:
             self._waiter = None
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
 
     async def next_block(self) -> bytes | None:
         """Every byte read since the last call, as one block, or None once the connection has ended."""
@@ -107,9 +116,7 @@ class _Protocol(asyncio.BufferedProtocol):
         block = self.blocks[0] if len(self.blocks) == 1 else b"".join(self.blocks)
         self.blocks.clear()
         self.held = 0
-        if self.paused and self.transport is not None:  # nothing is held now: the backend's socket is read again
-            self.paused = False
-            self.transport.resume_reading()
+        self.resume()  # nothing is held now: the socket is read again
         return block
 
 
@@ -127,6 +134,7 @@ class Answer:
         self._rest = b""  # body bytes read with the head
         self._chunked = False
         self._length: int | None = None
+        self._delivery: _Delivery | None = None
 
     @property
     def length(self) -> int | None:
@@ -229,6 +237,51 @@ class Answer:
         if left:
             raise ConnectionResetError(f"the connection closed {left} bytes before the body's end")
 
+    async def deliver(self, take: Callable[[bytes], bool]) -> bool:
+        """The body handed to ``take`` piece by piece as it is read, its framing taken off, from the read's own
+        callback: no task switch per read. Where ``take`` returns True, reading pauses and this returns True; call
+        again to go on. False once the body has ended.
+
+        Raises ConnectionResetError where the connection ends first (a chunked or sized body cut short), BadAnswer
+        where its framing is broken, and what ``take`` raised. No time bound: the caller closes the answer to end it.
+        """
+        protocol = self._protocol
+        if self._delivery is None:
+            self._delivery = _Delivery(protocol, chunked=self._chunked, length=self._length)
+        delivery = self._delivery
+        delivery.take = take
+        delivery.asked = False
+        pending = [self._rest, *protocol.blocks] if self._rest else [*protocol.blocks]
+        self._rest = b""
+        protocol.blocks.clear()
+        protocol.held = 0
+        for at, block in enumerate(pending):
+            delivery.piece(block)
+            if delivery.stops:
+                protocol.blocks += pending[at + 1 :]  # for the next call
+                break
+        else:
+            protocol.sink = delivery.feed
+            protocol.resume()
+            try:
+                while not delivery.stops and not protocol.eof:
+                    await protocol.wait()
+            finally:
+                protocol.sink = None
+        if delivery.failed is not None:
+            raise delivery.failed
+        if delivery.asked:
+            return True
+        if delivery.done:
+            return False
+        if protocol.error is not None:
+            raise ConnectionResetError(str(protocol.error) or type(protocol.error).__name__)
+        if self._chunked:
+            raise ConnectionResetError("the connection closed inside a chunked body")
+        if delivery.left:
+            raise ConnectionResetError(f"the connection closed {delivery.left} bytes before the body's end")
+        return False
+
     async def read(self) -> bytes:
         return b"".join([block async for block in self.body()])
 
@@ -261,9 +314,7 @@ class Answer:
         protocol.blocks.clear()
         protocol.held = 0
         protocol.sink = take
-        if protocol.paused and protocol.transport is not None:
-            protocol.paused = False
-            protocol.transport.resume_reading()
+        protocol.resume()
         try:
             while left > 0 and failed is None:
                 if protocol.eof:
@@ -279,6 +330,50 @@ class Answer:
             raise failed
 
 
+class _Delivery:
+    """A body handed to a consumer from the read callbacks (``Answer.deliver``)."""
+
+    __slots__ = ("asked", "dechunker", "done", "failed", "left", "protocol", "take")
+
+    def __init__(self, protocol: _Protocol, *, chunked: bool, length: int | None) -> None:
+        self.protocol = protocol
+        self.take: Callable[[bytes], bool] = bool
+        self.dechunker = Dechunker() if chunked else None
+        self.left = length  # of a sized body; None: the body ends where the connection does
+        self.asked = False  # the consumer asked to stop for now
+        self.done = False
+        self.failed: Exception | None = None
+
+    @property
+    def stops(self) -> bool:
+        return self.asked or self.done or self.failed is not None
+
+    def feed(self, view: memoryview) -> None:
+        if self.stops:  # read before the pause took: kept for the next delivery
+            self.protocol.blocks.append(bytes(view))
+        else:
+            self.piece(bytes(view))
+
+    def piece(self, block: bytes) -> None:
+        try:
+            if self.dechunker is not None:
+                data = self.dechunker.feed(block)
+                self.done = self.dechunker.done
+            elif self.left is not None:
+                data = block[: self.left]
+                self.left -= len(data)
+                self.done = self.left == 0
+            else:
+                data = block
+            if data:
+                self.asked = self.take(data)
+        except Exception as error:  # raised to the reader, not into the event loop's transport
+            self.failed = error
+        if self.stops:
+            self.protocol.pause()
+            self.protocol.wake()
+
+
 class Dechunker:
     """The chunked transfer coding (RFC 9112 section 7.1) taken off a body, as its bytes come; trailers are not read
     (the connection closes after the last chunk)."""
@@ -290,6 +385,10 @@ class Dechunker:
 
     def feed(self, block: bytes) -> bytes:
         """The data ``block`` completes, in one piece."""
+        if not self._pending and self._left is None:  # what a streaming server writes: one whole chunk a read
+            line_end = block.find(b"\r\n")
+            if line_end > 0 and (size := _chunk_size(block[:line_end])) and len(block) == line_end + size + 4:
+                return block[line_end + 2 : -2]
         data = self._pending + block if self._pending else block
         out: list[bytes] = []
         at, end = 0, len(data)
@@ -317,10 +416,11 @@ class Dechunker:
 
 
 def _chunk_size(line: bytes) -> int:
-    digits = line.split(b";", 1)[0].strip()
-    if not _HEX.fullmatch(digits):  # int() would take "-5", "0x5" or "1_0"
-        raise BadAnswer(f"a chunk size {digits[:20]!r}")
-    return int(digits, 16)
+    if not _HEX.fullmatch(line):  # int() would take "-5", "0x5" or "1_0"
+        line = line.split(b";", 1)[0].strip()  # without its extensions
+        if not _HEX.fullmatch(line):
+            raise BadAnswer(f"a chunk size {line[:20]!r}")
+    return int(line, 16)
 
 
 def request_bytes(

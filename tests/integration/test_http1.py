@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from simulate.fakes.processes import free_port
 from spotdrain import http1
 
+Reader = Callable[[http1.Answer], Awaitable[bytes]]
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Request-Id: abc\r\nX-Twice: 1\r\nX-Twice: 2\r\n"
 
 
@@ -47,27 +48,51 @@ async def body_of(answer: http1.Answer) -> bytes:
     return await answer.read()
 
 
+async def delivered(answer: http1.Answer, *, stop_every: int = 1) -> bytes:
+    """The body through ``deliver``, its taker asking to stop after every ``stop_every``-th piece (as the relay does
+    when the client's buffer is full), then going on."""
+    await answer._read_head()
+    pieces: list[bytes] = []
+
+    def take(data: bytes) -> bool:
+        pieces.append(data)
+        return len(pieces) % stop_every == 0
+
+    while await answer.deliver(take):
+        pass
+    return b"".join(pieces)
+
+
+async def delivered_in_one(answer: http1.Answer) -> bytes:
+    return await delivered(answer, stop_every=1_000_000)
+
+
+READERS = pytest.mark.parametrize("read_body", [body_of, delivered, delivered_in_one])
+
+
+@READERS
 @settings(max_examples=200, deadline=None)
 @given(body=st.binary(max_size=300), sizes=st.lists(st.integers(1, 40)), cuts=st.lists(st.integers(0, 10_000)))
 async def test_a_chunked_body_comes_out_whole_however_its_bytes_are_split(
-    body: bytes, sizes: list[int], cuts: list[int]
+    body: bytes, sizes: list[int], cuts: list[int], read_body: Reader
 ) -> None:
     wire = HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(body, sizes)
     answer = answer_of(split(wire, cuts))
-    assert await body_of(answer) == body
+    assert await read_body(answer) == body
     assert answer.status == 200
     assert answer.headers.getall("X-Twice") == ["1", "2"]
     assert answer.headers["x-request-id"] == "abc"
 
 
+@READERS
 @settings(max_examples=100, deadline=None)
 @given(body=st.binary(max_size=200), extra=st.binary(max_size=20), cuts=st.lists(st.integers(0, 10_000)))
 async def test_a_sized_body_ends_at_its_length_and_a_closed_one_at_the_close(
-    body: bytes, extra: bytes, cuts: list[int]
+    body: bytes, extra: bytes, cuts: list[int], read_body: Reader
 ) -> None:
     sized = HEAD + b"Content-Length: %d\r\n\r\n" % len(body) + body + extra
-    assert await body_of(answer_of(split(sized, cuts))) == body
-    assert await body_of(answer_of(split(HEAD + b"\r\n" + body, cuts))) == body
+    assert await read_body(answer_of(split(sized, cuts))) == body
+    assert await read_body(answer_of(split(HEAD + b"\r\n" + body, cuts))) == body
 
 
 async def test_interim_answers_are_passed_over_for_the_final_one() -> None:
@@ -87,9 +112,10 @@ async def test_interim_answers_are_passed_over_for_the_final_one() -> None:
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n",  # inside the head
     ],
 )
-async def test_a_connection_that_ends_before_the_body_does_is_a_reset(wire: bytes) -> None:
+@READERS
+async def test_a_connection_that_ends_before_the_body_does_is_a_reset(wire: bytes, read_body: Reader) -> None:
     with pytest.raises(ConnectionResetError):
-        await body_of(answer_of([wire]))
+        await read_body(answer_of([wire]))
 
 
 @pytest.mark.parametrize(
@@ -107,9 +133,10 @@ async def test_a_connection_that_ends_before_the_body_does_is_a_reset(wire: byte
         HEAD + b"Transfer-Encoding: chunked\r\n\r\n\r\n",
     ],
 )
-async def test_bytes_that_are_not_an_http_answer_are_a_bad_answer(wire: bytes) -> None:
+@READERS
+async def test_bytes_that_are_not_an_http_answer_are_a_bad_answer(wire: bytes, read_body: Reader) -> None:
     with pytest.raises(http1.BadAnswer):
-        await body_of(answer_of([wire]))
+        await read_body(answer_of([wire]))
 
 
 @asynccontextmanager
@@ -180,6 +207,40 @@ async def test_a_backend_that_closes_inside_its_body_ends_the_answer_with_a_rese
         await got.send("/", b"", {})
         with pytest.raises(ConnectionResetError):
             await got.read()
+        got.close()
+
+
+async def test_a_delivery_its_taker_stops_takes_nothing_more_until_called_again() -> None:
+    events = [b"data: %d\n\n" % index for index in range(8)]
+    wire = [HEAD + b"Transfer-Encoding: chunked\r\n\r\n", *(b"%x\r\n%b\r\n" % (len(e), e) for e in events)]
+    pieces: list[bytes] = []
+
+    def take(data: bytes) -> bool:
+        pieces.append(data)
+        return True
+
+    async with server(lambda _: [*wire, b"0\r\n\r\n"]) as port:
+        got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1)
+        await got.send("/", b"", {})
+        stops = 0
+        while await got.deliver(take):
+            stops += 1
+            await asyncio.sleep(0.03)  # the server writes on meanwhile, and the kernel holds it
+            assert got._protocol.blocks == []
+        got.close()
+    assert b"".join(pieces) == b"".join(events)
+    assert stops == len(pieces)
+
+
+async def test_what_the_taker_raises_comes_out_of_the_delivery() -> None:
+    def take(data: bytes) -> bool:
+        raise ConnectionResetError("the client went")
+
+    async with server(lambda _: [HEAD + b"Content-Length: 5\r\n\r\n", b"hello"]) as port:
+        got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1)
+        await got.send("/", b"", {})
+        with pytest.raises(ConnectionResetError, match="the client went"):
+            await got.deliver(take)
         got.close()
 
 

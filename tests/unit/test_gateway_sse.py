@@ -50,3 +50,17 @@ def test_lines_that_are_no_field_are_counted_as_junk() -> None:
 def test_an_endless_line_is_refused_past_the_limit(line: bytes) -> None:
     with pytest.raises(EventTooLarge):
         parse([b"data: " + line], limit=64)
+
+
+PIECES = st.sampled_from([b"a", b"{}", b" ", b"\n", b"\r", b"\r\n", b"data: ", b"data:", b": x", b"event: e", b"\xff"])
+
+
+@given(st.lists(st.lists(PIECES, max_size=6).map(b"".join), min_size=1, max_size=6), st.booleans())
+def test_a_block_of_whole_events_gives_what_the_same_bytes_give_a_byte_at_a_time(
+    payloads: list[bytes], crlf: bool
+) -> None:
+    """An engine's reads are whole events, each one data line: the parser takes those at once, and must give what
+    the line-by-line reading gives for the same bytes, whatever the payloads hold."""
+    newline = b"\r\n" if crlf else b"\n"
+    stream = b"".join(b"data: " + p + newline + newline for p in payloads)
+    assert parse([stream]) == parse([stream[at : at + 1] for at in range(len(stream))])
