@@ -28,6 +28,11 @@ from typing import Any
 from gateway.reshape import as_chat
 from gateway.token_ids import hide, hide_in
 
+try:  # the gateway extra: a chunk parsed in a fifth of json's time, the splicer's largest cost
+    from orjson import loads as _fast_loads
+except ImportError:  # installed without the gateway extra: json alone
+    _fast_loads = json.loads  # type: ignore[assignment]
+
 DONE = b"data: [DONE]\n\n"
 # Why a backend stream ended abnormally; each is a reason to continue elsewhere and a metric label.
 # "proactive": the gateway itself moved the stream off a backend whose node is about to be reclaimed; "stalled": off
@@ -130,8 +135,8 @@ class Splicer:
                 return Step(end=Finished())
             return Step(end=Broken("reset", "[DONE] before a finish_reason"))
         try:
-            chunk = json.loads(data)
-        except ValueError:
+            chunk = _parse(data)
+        except (ValueError, RecursionError):
             return Step(end=Broken("garbage", data[:80].decode(errors="replace")))
         if not isinstance(chunk, dict):
             return Step(end=Broken("garbage", "an event that is not a JSON object"))
@@ -215,7 +220,12 @@ class Splicer:
         start = self.tokens
         self.tokens += len(ids)
         if self.token_ids is not None:
-            self.token_ids.extend(i for i in ids if isinstance(i, int) and -(2**63) <= i < 2**63)
+            known = len(self.token_ids)
+            try:
+                self.token_ids.extend(ids)
+            except (TypeError, OverflowError):  # what is no 8-byte id is left out
+                del self.token_ids[known:]
+                self.token_ids.extend(i for i in ids if isinstance(i, int) and -(2**63) <= i < 2**63)
         if piece and len(ids) == 1:
             self.resume_ids, self.resume_text = self.tokens, len(self.text) - self.behind
         repeated = min(len(ids), max(0, self.shown - start))
@@ -313,6 +323,15 @@ class Splicer:
             prompt = max(0, int(reported["prompt_tokens"]) - self.tokens_before_segment)
         prompt = prompt or 0
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def _parse(data: bytes) -> Any:
+    """orjson where it takes the bytes; else json, which also reads what orjson refuses: lone surrogates, NaN,
+    integers past 64 bits, UTF-16 and UTF-32."""
+    try:
+        return _fast_loads(data)
+    except ValueError:
+        return json.loads(data)
 
 
 def _drop_logprobs(choice: dict[str, Any], count: int) -> None:

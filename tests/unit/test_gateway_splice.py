@@ -94,6 +94,32 @@ def test_text_with_lone_surrogates_is_kept_as_it_came() -> None:
     assert splicer.text_so_far == "a\ud800"
 
 
+def test_a_chunk_only_json_reads_is_read_and_relayed_untouched() -> None:
+    """A logprob of -Infinity (json's spelling of a float it cannot write otherwise) and an id past 64 bits."""
+    splicer = Splicer(chat=False, include_usage=False)
+    data = text_chunk(" a", ids=[2**70]).replace(b'"logprobs": null', b'"logprobs": {"token_logprobs": [-Infinity]}')
+    step = splicer.accept(data)
+    assert step.out == b"data: " + data + b"\n\n"
+    assert splicer.text_so_far == " a"
+    assert splicer.tokens == 1
+
+
+def test_ids_that_are_no_8_byte_integers_are_left_out_and_the_rest_kept_in_order() -> None:
+    splicer = Splicer(chat=False, include_usage=False)
+    splicer.accept(text_chunk(" a", ids=[5]))
+    splicer.accept(text_chunk(" b", ids=[6, 2**63, "7", 1.5, 8]))  # type: ignore[list-item]
+    assert splicer.token_ids is not None
+    assert list(splicer.token_ids) == [5, 6, 8]
+    assert splicer.tokens == 6
+
+
+@pytest.mark.parametrize("depth", [10, 100_000])
+def test_a_chunk_nested_past_any_parser_is_garbage(depth: int) -> None:
+    step = Splicer(chat=False, include_usage=False).accept(b"[" * depth + b"]" * depth)
+    assert isinstance(step.end, Broken)
+    assert step.end.cause == "garbage"
+
+
 def test_usage_after_a_continuation_counts_the_original_prompt_and_every_token_received() -> None:
     splicer = Splicer(chat=False, include_usage=True)
     for piece in (" a", " b", " c"):

@@ -112,10 +112,10 @@ def test_the_sidecar_image_runs_as_a_non_root_user_with_the_base_install_only() 
     assert '["spotdrain", "sidecar"]' in dockerfile
 
 
-def test_the_gateway_image_runs_as_a_non_root_user_with_the_base_install_and_uvloop_only() -> None:
+def test_the_gateway_image_runs_as_a_non_root_user_with_the_base_install_uvloop_and_orjson_only() -> None:
     dockerfile = (ROOT / "Dockerfile.gateway").read_text()
     assert "USER 65532:65532" in dockerfile
     assert "pip install --no-cache-dir --prefix=/install '.[gateway]'\n" in dockerfile
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gateway"]
-    assert [dep.partition(">")[0] for dep in extra] == ["uvloop"]
+    assert [dep.partition(">")[0] for dep in extra] == ["uvloop", "orjson"]
     assert '["spotdrain", "gateway"]' in dockerfile
