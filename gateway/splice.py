@@ -54,7 +54,7 @@ class Broken:
 End = Finished | Broken
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     out: bytes = b""  # for the client, possibly nothing
     end: End | None = None
@@ -167,7 +167,8 @@ class Splicer:
         if piece is None:
             return Step(end=Broken("garbage", "a choice without text"))
         finish = choice.get("finish_reason")
-        self._note_prompt_ids(chunk, choice)
+        if self.prompt_token_ids is None and not self.continuing:
+            self._note_prompt_ids(chunk, choice)
         new = self._new_text(piece)
         repeated = self._count(choice.get("token_ids"), piece)
         if new != piece:
@@ -258,10 +259,9 @@ class Splicer:
         return content, False
 
     def _note_prompt_ids(self, chunk: dict[str, Any], choice: dict[str, Any]) -> None:
-        if not self.continuing and self.prompt_token_ids is None:
-            ids = choice.get("prompt_token_ids", chunk.get("prompt_token_ids"))
-            if isinstance(ids, list):
-                self.prompt_token_ids = [i for i in ids if isinstance(i, int)]
+        ids = choice.get("prompt_token_ids", chunk.get("prompt_token_ids"))
+        if isinstance(ids, list):
+            self.prompt_token_ids = [i for i in ids if isinstance(i, int)]
 
     def _relay(self, chunk: dict[str, Any], data: bytes) -> bytes:
         if self.segment == 0 and data:
