@@ -6,8 +6,9 @@ after the system calls (a request object, a response object, a stream reader wit
 timer moved on every read) and about a third of its memory per open stream; in the fetch (bench/cache_fetch.py) it
 was a third of its CPU. This reads one answer on a connection of its own, into a buffer every connection of the
 process shares (``asyncio.BufferedProtocol``: the socket is read into it), takes the head, and hands the body on
-decoded from its framing (chunked, ``Content-Length`` or until the close), block by block as it arrives; or, for a
-sized body, hands each read to a writer straight from that buffer, with no copy made in this process.
+decoded from its framing (chunked, ``Content-Length`` or until the close), block by block as it arrives: to a
+coroutine, or to a callback run in the read itself (the relay's way: no task switch per read); or, for a sized body,
+hands each read to a writer straight from that buffer, with no copy made in this process.
 
 Each request asks for ``Connection: close``: an engine keeps no idle connection from the gateway, which a pod's
 sidecar would count as a client still there (the health checks close theirs for the same reason).
@@ -247,7 +248,7 @@ class Answer:
         """
         protocol = self._protocol
         if self._delivery is None:
-            self._delivery = _Delivery(protocol, chunked=self._chunked, length=self._length)
+            self._delivery = _Delivery(protocol, take, chunked=self._chunked, length=self._length)
         delivery = self._delivery
         delivery.take = take
         delivery.asked = False
@@ -335,9 +336,11 @@ class _Delivery:
 
     __slots__ = ("asked", "dechunker", "done", "failed", "left", "protocol", "take")
 
-    def __init__(self, protocol: _Protocol, *, chunked: bool, length: int | None) -> None:
+    def __init__(
+        self, protocol: _Protocol, take: Callable[[bytes], bool], *, chunked: bool, length: int | None
+    ) -> None:
         self.protocol = protocol
-        self.take: Callable[[bytes], bool] = bool
+        self.take = take
         self.dechunker = Dechunker() if chunked else None
         self.left = length  # of a sized body; None: the body ends where the connection does
         self.asked = False  # the consumer asked to stop for now
