@@ -212,31 +212,17 @@ class Answer:
         """The body's bytes, one piece per read of the connection, its framing taken off; ends where the body does.
 
         Raises ConnectionResetError where the connection ends first (a chunked or sized body cut short)."""
-        if self._chunked:
-            dechunker = Dechunker()
-            data = dechunker.feed(self._rest)
-            while True:
-                if data:
-                    yield data
-                if dechunker.done:
-                    return
-                block = await self._protocol.next_block()
-                if block is None:
-                    raise ConnectionResetError("the connection closed inside a chunked body")
-                data = dechunker.feed(block)
-        left = self._length
-        piece: bytes | None = self._rest
-        while piece is not None:
-            if left is not None:
-                piece = piece[:left]
-                left -= len(piece)
-            if piece:
-                yield piece
-            if left == 0:
+        framing = _Framing(chunked=self._chunked, length=self._length)
+        block: bytes | None = self._rest
+        while not framing.done:
+            if block is None:
+                if (cut := framing.cut()) is not None:
+                    raise cut
                 return
-            piece = await self._protocol.next_block()
-        if left:
-            raise ConnectionResetError(f"the connection closed {left} bytes before the body's end")
+            if data := framing.unframe(block):
+                yield data
+            if not framing.done:
+                block = await self._protocol.next_block()
 
     async def deliver(self, take: Callable[[bytes], bool]) -> bool:
         """The body handed to ``take`` piece by piece as it is read, its framing taken off, from the read's own
@@ -248,7 +234,7 @@ class Answer:
         """
         protocol = self._protocol
         if self._delivery is None:
-            self._delivery = _Delivery(protocol, take, chunked=self._chunked, length=self._length)
+            self._delivery = _Delivery(protocol, take, _Framing(chunked=self._chunked, length=self._length))
         delivery = self._delivery
         delivery.take = take
         delivery.asked = False
@@ -273,14 +259,12 @@ class Answer:
             raise delivery.failed
         if delivery.asked:
             return True
-        if delivery.done:
+        if delivery.framing.done:
             return False
         if protocol.error is not None:
             raise ConnectionResetError(str(protocol.error) or type(protocol.error).__name__)
-        if self._chunked:
-            raise ConnectionResetError("the connection closed inside a chunked body")
-        if delivery.left:
-            raise ConnectionResetError(f"the connection closed {delivery.left} bytes before the body's end")
+        if (cut := delivery.framing.cut()) is not None:
+            raise cut
         return False
 
     async def read(self) -> bytes:
@@ -331,25 +315,54 @@ class Answer:
             raise failed
 
 
+class _Framing:
+    """A body's framing taken off its bytes as they come: chunked, sized by ``Content-Length``, or ended by the
+    connection's close."""
+
+    __slots__ = ("dechunker", "done", "left")
+
+    def __init__(self, *, chunked: bool, length: int | None) -> None:
+        self.dechunker = Dechunker() if chunked else None
+        self.left = None if chunked else length  # of a sized body; None: chunked, or until the close
+        self.done = self.left == 0
+
+    def unframe(self, block: bytes) -> bytes:
+        """The body's bytes in ``block``, in one piece."""
+        if self.dechunker is not None:
+            data = self.dechunker.feed(block)
+            self.done = self.dechunker.done
+            return data
+        if self.left is None:
+            return block
+        data = block[: self.left]
+        self.left -= len(data)
+        self.done = self.left == 0
+        return data
+
+    def cut(self) -> ConnectionResetError | None:
+        """What the connection's end is before the body's; None where its close ends the body."""
+        if self.dechunker is not None:
+            return ConnectionResetError("the connection closed inside a chunked body")
+        if self.left:
+            return ConnectionResetError(f"the connection closed {self.left} bytes before the body's end")
+        return None
+
+
 class _Delivery:
     """A body handed to a consumer from the read callbacks (``Answer.deliver``)."""
 
-    __slots__ = ("asked", "dechunker", "done", "failed", "left", "protocol", "take")
+    __slots__ = ("asked", "failed", "framing", "protocol", "take")
 
-    def __init__(
-        self, protocol: _Protocol, take: Callable[[bytes], bool], *, chunked: bool, length: int | None
-    ) -> None:
+    def __init__(self, protocol: _Protocol, take: Callable[[bytes], bool], framing: _Framing) -> None:
         self.protocol = protocol
         self.take = take
-        self.dechunker = Dechunker() if chunked else None
-        self.left = length  # of a sized body; None: the body ends where the connection does
+        self.framing = framing
         self.asked = False  # the consumer asked to stop for now
-        self.done = False
         self.failed: Exception | None = None
 
     @property
     def stops(self) -> bool:
-        return self.asked or self.done or self.failed is not None
+        return self.asked or self.framing.done or self.failed is not None
 
     def feed(self, view: memoryview) -> None:
         if self.stops:  # read before the pause took: kept for the next delivery
@@ -359,16 +372,7 @@ class _Delivery:
 
     def piece(self, block: bytes) -> None:
         try:
-            if self.dechunker is not None:
-                data = self.dechunker.feed(block)
-                self.done = self.dechunker.done
-            elif self.left is not None:
-                data = block[: self.left]
-                self.left -= len(data)
-                self.done = self.left == 0
-            else:
-                data = block
-            if data:
+            if data := self.framing.unframe(block):
                 self.asked = self.take(data)
         except Exception as error:  # raised to the reader, not into the event loop's transport
             self.failed = error
