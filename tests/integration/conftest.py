@@ -25,7 +25,7 @@ def moto() -> Iterator[MotoServer]:
 
 @pytest.fixture
 def aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The source finds credentials the way it does in a pod: boto3's default chain, here the environment.
+    # The source finds credentials the way it does in a pod: the SDKs' default chain, here the environment.
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY)
     monkeypatch.delenv("AWS_PROFILE", raising=False)

@@ -615,12 +615,11 @@ async def test_over_tls_through_the_environments_proxy_s3_is_listed_and_fetched_
     certificate: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """S3 is https: the transfers reach it through HTTPS_PROXY's CONNECT tunnels, with the proxy's credentials,
-    and check its certificate against the system's store (here SSL_CERT_FILE's)."""
+    """S3 is https: the listing and the transfers reach it through HTTPS_PROXY's CONNECT tunnels, with the proxy's
+    credentials, and check its certificate against the system's store (here SSL_CERT_FILE's)."""
     for name in ("NO_PROXY", "no_proxy", "HTTP_PROXY", "http_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
-    monkeypatch.setenv("AWS_CA_BUNDLE", str(certificate))  # boto3's own store, for the listing
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(certificate, certificate.with_name("key.pem"))
     seen: list[tuple[str, str | None]] = []
@@ -630,8 +629,9 @@ async def test_over_tls_through_the_environments_proxy_s3_is_listed_and_fetched_
             monkeypatch.setenv("HTTPS_PROXY", proxy.replace("http://", "http://fetch:p%40ss@"))
             settings = settings_for(S3Source(bucket, "llama/"), cache, f"https://127.0.0.1:{port}")
             http1._tls.cache_clear()
-            with pytest.raises(FetchError, match="CERTIFICATE_VERIFY_FAILED"):  # a certificate no store trusts
+            with pytest.raises(FetchError, match="CERTIFICATE_VERIFY_FAILED") as untrusted:  # no store trusts it
                 await fetch(settings)
+            assert not untrusted.value.transient  # ended at once, not retried
             monkeypatch.setenv("SSL_CERT_FILE", str(certificate))
             http1._tls.cache_clear()
             await fetch(settings)
@@ -641,7 +641,8 @@ async def test_over_tls_through_the_environments_proxy_s3_is_listed_and_fetched_
     gets = [seen for seen in server.requests if seen.method == "GET" and seen.range is not None]
     assert len(gets) >= len(MODEL)
     tunnels = [auth for line, auth in seen if line == f"CONNECT 127.0.0.1:{port} HTTP/1.1"]
-    assert len(tunnels) >= len(gets)  # a tunnel for each transfer
+    assert server.requests[0].path == f"/{bucket}"  # the listing
+    assert len(tunnels) >= len(server.requests)  # a tunnel for each request, the listing's and the heads' too
     assert f"Basic {base64.b64encode(b'fetch:p@ss').decode()}" in tunnels
 
 
@@ -683,3 +684,19 @@ def test_a_written_part_is_on_its_way_to_the_disk_before_any_fsync(tmp_path: Pat
             assert sectors_written() - before >= 8 * MIB // 512
         finally:
             os.close(fd)
+
+
+async def test_an_s3_fetch_as_a_command_imports_no_aws_sdk(
+    bucket: str, cache: Path, front: tuple[FaultyServer, str], environment: dict[str, str]
+) -> None:
+    """boto3's import and client would be most of a fetch's start (0.3 s, more with a cold page cache)."""
+    argv = ["cache", "fetch", f"s3://{bucket}/llama/", "--name", "llama", "--model-cache-path", str(cache)]
+    argv += ["--aws-endpoint-url", front[1], "--aws-region", REGION]
+    code = f"import sys; from spotdrain.cli import main; code = main({argv!r}); "
+    code += "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')), code)"
+    done = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, env=environment, cwd=ROOT, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await done.communicate()
+    assert out.decode().split("\n")[-2] == "[] 0"
+    assert_published_whole(cache)

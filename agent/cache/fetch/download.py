@@ -19,7 +19,7 @@ import errno
 import itertools
 import os
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +60,7 @@ class Transfers:
     staging: Path
     files: list[RemoteFile]
     part_size: int
-    url: Callable[[RemoteFile], str]
+    url: Callable[[RemoteFile], Awaitable[str]]
     limits: Limits
     concurrency: int
     progress: Progress
@@ -150,7 +150,7 @@ class Transfers:
 
         async def attempt() -> int | None:
             return await get_part(
-                self.url(part.file), part, state.fd, limits=self.limits, on_bytes=self.progress.add, crc=crc
+                await self.url(part.file), part, state.fd, limits=self.limits, on_bytes=self.progress.add, crc=crc
             )
 
         crc = crc_of(part.file)

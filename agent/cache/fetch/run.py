@@ -130,9 +130,10 @@ def _listing(settings: FetchSettings, limits: Limits) -> S3Listing | MirrorListi
             settings.source,
             region=settings.aws_region,
             endpoint_url=settings.aws_endpoint_url,
-            timeout_s=settings.request_timeout_s,
+            limits=limits,
+            backoff_s=settings.backoff_s,
         )
-    return MirrorListing(settings.source, limits=limits)
+    return MirrorListing(settings.source, limits=limits, backoff_s=settings.backoff_s)
 
 
 def _checked_listing(files: list[RemoteFile], settings: FetchSettings) -> list[RemoteFile]:

@@ -67,7 +67,7 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         "--aws-region",
         aliases=("AWS_REGION", "AWS_DEFAULT_REGION"),
         help="region of the bucket",
-        default_help="boto3's configuration, else us-east-1; the bucket's own region is followed",
+        default_help="the profile's region, else us-east-1; the bucket's own region is followed",
     )
     add_flag(parser, "--concurrency", convert=positive_int, default=32, help="parts downloaded at once")
     add_flag(parser, "--part-size-mib", convert=positive_int, default=16, help="bytes per ranged request, in MiB")

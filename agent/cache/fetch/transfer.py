@@ -4,7 +4,7 @@ The GET is read with ``spotdrain.http1``: each read of a sized body is written w
 in the preallocated staging file, straight from the buffer the socket was read into, so no file is held in memory
 and no byte is copied in this process on its way from the socket to the page cache (a chunked body, which S3 does
 not send, is written block by block). Redirects are followed, as a mirror's LFS files are sent on to a CDN, and the
-environment's proxy is used as boto3 uses it for the listing.
+environment's proxy is used, as for the listing.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ async def _answer(url: str, headers: dict[str, str], limits: Limits) -> http1.An
 
 def proxy_for(scheme: str, netloc: str) -> str | None:
     """The proxy the environment names for a URL (``HTTPS_PROXY``, ``HTTP_PROXY``, lower case too; ``NO_PROXY``
-    exempts hosts), as boto3 and aiohttp take them: an ``http://`` proxy, the scheme assumed where none is given."""
+    exempts hosts), as the AWS SDKs and aiohttp take them: an ``http://`` proxy, the scheme assumed where none is
+    given."""
     proxies = urllib.request.getproxies_environment()
     proxy = proxies.get(scheme)
     if not proxy or urllib.request.proxy_bypass(netloc):
