@@ -112,6 +112,7 @@ class Row:
     detail: str = ""
     source: str = ""  # a tool row's source checksum (SOURCE_CHECKSUMS)
     transfer_s: float | None = None  # ours, in its best run: from its listing to the model published, by its log
+    server_cpu_s: float | None = None  # the source server's CPU seconds in the best run
 
 
 def drop_page_cache() -> bool:
@@ -265,7 +266,7 @@ def _row(way: Way, measured: list[Measured] | str, total_bytes: int, version: st
         row.verified = False if "wrong bytes" in measured else None
         row.skipped = measured
         return row
-    best, server_cpu, row.transfer_s = min(measured, key=lambda m: m[0].durable_s)
+    best, row.server_cpu_s, row.transfer_s = min(measured, key=lambda m: m[0].durable_s)
     row.seconds = round(best.durable_s, 3)
     row.mib_per_s = round(total_bytes / MIB / best.durable_s, 1)
     row.cpu_s_per_gib = round(best.cpu_s / (total_bytes / GIB), 3)
@@ -273,7 +274,7 @@ def _row(way: Way, measured: list[Measured] | str, total_bytes: int, version: st
     row.peak_rss_mb = round(max(peaks), 1) if peaks else None
     row.verified = True
     row.runs_s = [round(ran.durable_s, 3) for ran, *_ in measured]
-    row.detail = f"exited at {best.exit_s:.3f} s, then sync; the server used {server_cpu:.2f} CPU s in that run"
+    row.detail = f"exited at {best.exit_s:.3f} s, then sync; the server used {row.server_cpu_s:.2f} CPU s in that run"
     return row
 
 
@@ -505,7 +506,26 @@ def _versus_s5cmd(by: dict[tuple[str, str, str], Row], config: str, source: str)
         return Result.skip(name, "x", S5CMD_RATIO_TARGET, f"s5cmd: {_why_not(theirs)}")
     ratio = ours.mib_per_s / theirs.mib_per_s
     detail = f"ours {ours.mib_per_s} MiB/s, s5cmd {theirs.mib_per_s} MiB/s, each {config}, the source giving {source}"
+    md5 = by.get(("checksum", "md5", ""))
+    if source == MD5_ETAG and ratio < S5CMD_RATIO_TARGET and md5 is not None:
+        detail += _md5_floor(theirs, md5)
     return Result(name, round(ratio, 3), "x", S5CMD_RATIO_TARGET, ratio >= S5CMD_RATIO_TARGET, detail)
+
+
+def _md5_floor(s5cmd: Row, md5: Row) -> str:
+    """The least time any fetch that checks the MD5 could take on this machine's cores, measured in this run: the MD5
+    of the whole model, a transfer as cheap as s5cmd's, and the server's work as in s5cmd's run, all on the cores."""
+    if None in (s5cmd.seconds, s5cmd.mib_per_s, s5cmd.cpu_s_per_gib, s5cmd.server_cpu_s, md5.cpu_s_per_gib):
+        return ""
+    cores = os.cpu_count() or 1
+    gib = (s5cmd.seconds or 0) * (s5cmd.mib_per_s or 0) / 1024
+    md5_cpu, moved_cpu = (md5.cpu_s_per_gib or 0) * gib, (s5cmd.cpu_s_per_gib or 0) * gib
+    floor_s = (md5_cpu + moved_cpu + (s5cmd.server_cpu_s or 0)) / cores
+    return (
+        f"; on these {cores} cores, a fetch that checks the MD5 ({md5_cpu:.2f} CPU s) and moves the bytes as cheaply"
+        f" as s5cmd ({moved_cpu:.2f}), the server spending what it spent for s5cmd ({s5cmd.server_cpu_s:.2f}),"
+        f" needs {floor_s:.2f} s at the least: {(s5cmd.seconds or 0) / floor_s:.2f} x s5cmd at best"
+    )
 
 
 def _versus_disk(by: dict[tuple[str, str, str], Row], table: list[Row]) -> Result:

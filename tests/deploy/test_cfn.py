@@ -3,6 +3,7 @@ rules and policy; the model cache's read policy and its IRSA roles, evaluated th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -14,8 +15,13 @@ from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 
+from agent.cache.fetch.run import fetch
+from agent.cache.fetch.settings import FetchSettings
+from agent.cache.fetch.sources import S3Source
 from agent.notices.messages import DETAIL_TYPES, STOPPING_STATES, TERMINATING_STATES
+from tests.conftest import serving_app
 from tests.deploy.manifests import DEPLOY, ROOT, Obj
 
 TEMPLATE = DEPLOY / "aws" / "queue.yaml"
@@ -114,7 +120,9 @@ KMS_KEY = "arn:aws:kms:us-east-1:111122223333:key/1234abcd-12ab-34cd-56ef-123456
 _NO_VALUE = object()
 # What each S3 call of the fetch needs (https://docs.aws.amazon.com/AmazonS3/latest/API/API_HeadObject.html: "you
 # must have the s3:GetObject permission"; ListObjectsV2: s3:ListBucket; a presigned GET acts as its signer).
-S3_PERMISSIONS = {"list_objects_v2": "s3:ListBucket", "head_object": "s3:GetObject", "get_object": "s3:GetObject"}
+# What each S3 operation needs (https://docs.aws.amazon.com/AmazonS3/latest/API/API_ListObjectsV2.html and the
+# HeadObject and GetObject pages: HEAD and GET of an object both need s3:GetObject).
+S3_PERMISSIONS = {"ListObjectsV2": "s3:ListBucket", "HeadObject": "s3:GetObject", "GetObject": "s3:GetObject"}
 
 
 @dataclass(frozen=True)
@@ -197,15 +205,44 @@ def test_a_kms_key_adds_decrypt_on_that_key_alone() -> None:
     assert ("s3:GetObject", "arn:aws:s3:::my-bucket/llm/*", "null") in plain
 
 
-def test_the_model_policy_allows_exactly_the_s3_calls_the_fetch_makes() -> None:
-    source = (ROOT / "agent" / "cache" / "fetch" / "listing.py").read_text()
-    calls = set(re.findall(r"self\.client\.(\w+)\(", source)) - {"generate_presigned_url", "get_paginator"}
-    calls |= set(re.findall(r"get_paginator\(\s*\"(\w+)\"", source))
-    calls |= set(re.findall(r"generate_presigned_url\(\s*\"(\w+)\"", source))
-    assert calls, "no S3 call found in the fetch's listing"
-    assert calls <= set(S3_PERMISSIONS), "a new S3 call: add what it needs to S3_PERMISSIONS and the policy"
+async def test_the_model_policy_allows_exactly_the_s3_calls_the_fetch_makes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole fetch against an S3 that records each operation it is asked for, by its method and target."""
+    data, seen = b"weights!", set()
+
+    async def s3(request: web.Request) -> web.Response:
+        bucket_only = request.path.rstrip("/") == "/my-bucket"
+        if bucket_only and request.query.get("list-type") == "2":
+            seen.add("ListObjectsV2")
+            item = f'<Key>llm/m/w.bin</Key><Size>{len(data)}</Size><ETag>"{hashlib.md5(data).hexdigest()}"</ETag>'
+            return web.Response(body=f"<ListBucketResult><Contents>{item}</Contents></ListBucketResult>")
+        operation = {"HEAD": "HeadObject", "GET": "GetObject"}.get(request.method, request.method)
+        seen.add(operation if not bucket_only else f"{request.method} of the bucket")
+        return web.Response(body=data if request.method == "GET" else None, headers={"Content-Length": str(len(data))})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", s3)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDTEST")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    async with serving_app(app) as port:
+        settings = FetchSettings(
+            source=S3Source("my-bucket", "llm/m/"),
+            name="m",
+            cache_path=tmp_path,
+            aws_endpoint_url=f"http://127.0.0.1:{port}",
+            aws_region="us-east-1",
+            concurrency=2,
+            part_size_bytes=1024 * 1024,
+            wait=False,
+            request_timeout_s=5.0,
+            progress_interval_s=5.0,
+        )
+        assert (await fetch(settings) / "w.bin").read_bytes() == data
+    assert seen <= set(S3_PERMISSIONS), "a new S3 call: add what it needs to S3_PERMISSIONS and the policy"
     granted = {action for action, _, _ in _granted(Stack.of(ModelBucket="my-bucket"))}
-    assert granted == {S3_PERMISSIONS[call] for call in calls}
+    assert granted == {S3_PERMISSIONS[operation] for operation in seen}
 
 
 def _trust(role: Obj) -> Obj:
