@@ -74,8 +74,10 @@ class FakeImds:
         availability_zone: str = "us-east-1a",
         allow_v1: bool = False,
         lifecycle_state: str | None = None,
+        role: str | None = None,
     ) -> None:
         self.instance_id = instance_id
+        self.role = role  # the instance profile's role, whose credentials iam/security-credentials/ gives
         self.availability_zone = availability_zone
         self.allow_v1 = allow_v1
         self.requests: Counter[str] = Counter()
@@ -163,6 +165,19 @@ class FakeImds:
         misrouted hop in front of IMDS does: an HTML login page, a JSON error, anything."""
         self._token_body = body
 
+    def role_credentials(self) -> dict[str, str]:
+        """The instance role's credentials as IMDS gives them: valid for six hours from now."""
+        expiry = datetime.fromtimestamp(time.time() + 6 * 3600, UTC)
+        return {
+            "Code": "Success",
+            "LastUpdated": rfc3339(datetime.now(UTC)),
+            "Type": "AWS-HMAC",
+            "AccessKeyId": f"ASIA{self.instance_id[-12:].upper()}",
+            "SecretAccessKey": f"secret-of-{self.role}",
+            "Token": f"token-of-{self.role}",
+            "Expiration": rfc3339(expiry),
+        }
+
     def request_counts(self) -> dict[str, int]:
         return dict(self.requests)
 
@@ -211,6 +226,11 @@ class FakeImds:
             "events/recommendations/rebalance": self._rebalance,
             "events/maintenance/scheduled": self._maintenance,
         }
+        if self.role is not None:
+            # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/instancedata-data-categories.html: the role's name,
+            # then its temporary credentials as JSON.
+            plain["iam/security-credentials/"] = self.role
+            documents[f"iam/security-credentials/{self.role}"] = self.role_credentials()
         key = path.removeprefix(META)
         text = plain.get(key)
         if text is None and documents.get(key) is not None:

@@ -27,6 +27,7 @@ from agent.cache.fetch.s3 import S3
 from agent.cache.fetch.settings import FetchSettings
 from agent.cache.fetch.sources import Checksum, S3Source
 from agent.cache.fetch.transfer import FetchError, Limits
+from simulate.fakes.imds import FakeImds, serving
 from simulate.fakes.processes import free_port
 from spotdrain.retry import ApiError
 from tests.conftest import serving_app
@@ -182,6 +183,56 @@ async def test_no_credentials_anywhere_is_an_error_that_says_so(monkeypatch: pyt
         with pytest.raises(FetchError, match="no credentials to sign with") as raised:
             await listing(endpoint).files()
     assert raised.value.transient  # a role's credentials may yet come (IMDS at a node's boot, --wait)
+
+
+def no_other_credentials(monkeypatch: pytest.MonkeyPatch, imds: str, *, disabled: bool = False) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    if disabled:
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", imds)
+
+
+async def test_without_other_credentials_the_instance_roles_come_from_imdsv2(monkeypatch: pytest.MonkeyPatch) -> None:
+    signed: list[tuple[str, str | None]] = []
+
+    def handle(request: web.Request) -> web.Response:
+        signed.append((request.headers.get("Authorization", ""), request.headers.get("X-Amz-Security-Token")))
+        if request.method == "HEAD":
+            return web.Response(headers={"Content-Length": "4", "ETag": ETAG})
+        return web.Response(body=page(["m/a", "m/b"]))
+
+    imds = FakeImds(role="gpu-node")  # tokens required, as on nodes made with httpTokens: required
+    async with serving(imds) as base, scripted(handle) as endpoint:
+        no_other_credentials(monkeypatch, base)
+        found = listing(endpoint)
+        url = await found.url((await found.files())[0])
+    key = imds.role_credentials()["AccessKeyId"]
+    assert len(signed) == 3
+    assert all(f"Credential={key}/" in auth and token == "token-of-gpu-node" for auth, token in signed)
+    assert f"X-Amz-Credential={key}%2F" in url
+    assert "X-Amz-Security-Token=token-of-gpu-node" in url
+    assert imds.refused == 0
+    assert imds.requests["/latest/api/token"] == 1  # then kept until near their expiry
+
+
+async def test_an_imds_that_refuses_tokens_gives_no_credentials_and_is_never_asked_without_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """awscrt's own instance-role step would then ask IMDSv1, whatever AWS_EC2_METADATA_V1_DISABLED says."""
+    imds = FakeImds(role="gpu-node", allow_v1=True)
+    imds.fail_next("/latest/api/token", 403, count=100)
+    async with serving(imds) as base, scripted(lambda request: web.Response(body=page([]))) as endpoint:
+        no_other_credentials(monkeypatch, base)
+        with pytest.raises(FetchError, match="no credentials to sign with"):
+            await listing(endpoint).files()
+        assert imds.requests["/latest/api/token"] >= 1
+        assert not any(path.startswith("/latest/meta-data/") for path in imds.requests)
+        no_other_credentials(monkeypatch, base, disabled=True)
+        imds.requests.clear()
+        with pytest.raises(FetchError, match="no credentials to sign with"):
+            await listing(endpoint).files()
+        assert not imds.requests  # AWS_EC2_METADATA_DISABLED: not asked at all
 
 
 @pytest.fixture

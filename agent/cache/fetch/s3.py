@@ -3,9 +3,10 @@
 Requests are signed with SigV4 by awscrt, whose default credentials chain is the SDKs': the environment, the shared
 config and credentials files (``AWS_PROFILE``), a web identity (IRSA's ``AWS_WEB_IDENTITY_TOKEN_FILE`` and
 ``AWS_ROLE_ARN``), the container provider (EKS Pod Identity's ``AWS_CONTAINER_CREDENTIALS_FULL_URI`` and token file),
-then the instance's role through IMDS. They are sent with ``spotdrain.http1``, as the transfers are, through the same
-proxy and TLS store. awscrt is here already for the checksums; boto3's import and client took a fetch about 0.3 s of
-its start (more on a node whose page cache is cold), where this takes 0.03 s.
+then the instance's role, which is asked for here, through IMDSv2 only. The requests are sent with
+``spotdrain.http1``, as the transfers are, through the same proxy and TLS store. awscrt is here already for the
+checksums; boto3's import and client took a fetch about 0.3 s of its start (more on a node whose page cache is
+cold), where this takes 0.03 s.
 
 Where the bucket lives elsewhere than the region asked for, S3 names its region (the ``x-amz-bucket-region`` header
 of a 301, or the ``Region`` of a 400's error), and the call is made again there, as the SDKs do.
@@ -15,11 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import configparser
+import json
 import os
 import re
 import ssl
+import time
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote, unquote_plus, urlencode, urlsplit
 from xml.etree import ElementTree
@@ -33,6 +38,13 @@ from spotdrain import http1
 from spotdrain.retry import ApiError, retry_after
 
 DEFAULT_REGION = "us-east-1"
+IMDS = "http://169.254.169.254"
+IMDS_TIMEOUT_S = 1.0  # a local service: the SDKs wait 1 s too
+ROLE_PATH = "/latest/meta-data/iam/security-credentials/"
+ROLE_REFRESH_S = 300
+TOKEN_TTL = "X-aws-ec2-metadata-token-ttl-seconds"
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # IMDS is never reached through a proxy
+_instance_roles: dict[str, tuple[float, auth.AwsCredentials]] = {}  # by IMDS endpoint: (expiry, credentials)
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a page of 1,000 keys is about 0.3 MB
 _DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")  # a bucket name that can be a host name's label
 
@@ -59,7 +71,8 @@ class S3:
         self.region = region or profile_region() or DEFAULT_REGION
         self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self.limits = limits
-        self.credentials = auth.AwsCredentialsProvider.new_default_chain()
+        self.sdk = sdk_chain()
+        self.role = False  # the SDK chain had no credentials: the instance role's are taken (and renewed) from IMDS
 
     def object_url(self, key: str, query: Mapping[str, str] | None = None) -> str:
         """The object's URL (the bucket's, for ``key`` ""), with ``query`` in the order given."""
@@ -110,6 +123,24 @@ class S3:
             detail = f"{code}: {message}" if code else reason
             raise ApiError(status, detail, retry_after_s=retry_after(answer.get("Retry-After")))
 
+    async def _credentials(self) -> auth.AwsCredentialsProvider:
+        """What to sign with: the SDK chain's credentials, else the instance role's through IMDSv2 (unless
+        ``AWS_EC2_METADATA_DISABLED=true``); ApiError where there are none."""
+        if not self.role:
+            try:
+                await asyncio.wrap_future(self.sdk.get_credentials())
+                return self.sdk
+            except AwsCrtError as error:
+                if os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true":
+                    raise ApiError(0, f"no credentials to sign with: {error.name}: {error.message}") from None
+        try:
+            found = await asyncio.to_thread(instance_role)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            why = f"none in the environment, profiles, web identity or container, nor from IMDSv2: {error}"
+            raise ApiError(0, f"no credentials to sign with: {why}") from None
+        self.role = True
+        return auth.AwsCredentialsProvider.new_static(found.access_key_id, found.secret_access_key, found.session_token)
+
     async def _signed(
         self, method: str, url: str, headers: Mapping[str, str], *, expires_s: int | None = None
     ) -> tuple[str, dict[str, str]]:
@@ -130,18 +161,18 @@ class S3:
                 "signed_body_header_type": auth.AwsSignedBodyHeaderType.X_AMZ_CONTENT_SHA_256,
             }
         )
-        config = auth.AwsSigningConfig(
-            credentials_provider=self.credentials,
-            region=self.region,
-            service="s3",
-            use_double_uri_encode=False,  # S3's paths are encoded once (unlike every other service's)
-            should_normalize_uri_path=False,
-            **how,
-        )
         try:
             async with asyncio.timeout(self.limits.total_s):
+                config = auth.AwsSigningConfig(
+                    credentials_provider=await self._credentials(),
+                    region=self.region,
+                    service="s3",
+                    use_double_uri_encode=False,  # S3's paths are encoded once (unlike every other service's)
+                    should_normalize_uri_path=False,
+                    **how,
+                )
                 await asyncio.wrap_future(auth.aws_sign_request(request, config))
-        except AwsCrtError as error:  # no credentials found, or their source failed
+        except AwsCrtError as error:  # the credentials' source failed
             raise ApiError(0, f"no credentials to sign with: {error.name}: {error.message}") from None
         except TimeoutError:
             raise ApiError(0, "no credentials to sign with in time", failure="timeout") from None
@@ -238,6 +269,45 @@ def _xml(body: bytes) -> ElementTree.Element:
 def _namespace(root: ElementTree.Element) -> str:
     tag: Any = root.tag
     return tag[: tag.index("}") + 1] if isinstance(tag, str) and tag.startswith("{") else ""
+
+
+def sdk_chain() -> auth.AwsCredentialsProvider:
+    """The SDKs' default chain without its last step, the instance role through IMDS, which ``S3._credentials`` takes
+    through IMDSv2 alone: awscrt's own falls back to IMDSv1 when IMDS refuses a token, even with
+    ``AWS_EC2_METADATA_V1_DISABLED`` set (seen with awscrt 0.38 against a fake IMDS)."""
+    disabled = os.environ.get("AWS_EC2_METADATA_DISABLED")
+    os.environ["AWS_EC2_METADATA_DISABLED"] = "true"  # read once, as the chain is made
+    try:
+        return auth.AwsCredentialsProvider.new_default_chain()
+    finally:
+        if disabled is None:
+            del os.environ["AWS_EC2_METADATA_DISABLED"]
+        else:
+            os.environ["AWS_EC2_METADATA_DISABLED"] = disabled
+
+
+def instance_role() -> auth.AwsCredentials:
+    """The instance role's credentials from IMDSv2 (at ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, else 169.254.169.254),
+    kept until five minutes before they expire. Blocks, each request for IMDS_TIMEOUT_S at the most; raises OSError
+    (no IMDS, an error status), or ValueError, KeyError or TypeError (an answer that is not the role's)."""
+    base = (os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT") or IMDS).rstrip("/")
+    known = _instance_roles.get(base)
+    if known is not None and known[0] - time.time() > ROLE_REFRESH_S:
+        return known[1]
+    token = {"X-aws-ec2-metadata-token": _imds(base, "PUT", "/latest/api/token", {TOKEN_TTL: "21600"})}
+    role = _imds(base, "GET", ROLE_PATH, token).partition("\n")[0].strip()
+    document = json.loads(_imds(base, "GET", f"{ROLE_PATH}{quote(role)}", token))
+    expiry = datetime.fromisoformat(document["Expiration"].replace("Z", "+00:00"))
+    found = auth.AwsCredentials(document["AccessKeyId"], document["SecretAccessKey"], document.get("Token"), expiry)
+    _instance_roles[base] = (expiry.timestamp(), found)
+    return found
+
+
+def _imds(base: str, method: str, path: str, headers: dict[str, str]) -> str:
+    request = urllib.request.Request(base + path, method=method, headers=headers)
+    with _DIRECT.open(request, timeout=IMDS_TIMEOUT_S) as answer:  # HTTPError for any error status
+        text: str = answer.read(64 * 1024).decode()
+        return text
 
 
 def profile_region() -> str | None:
