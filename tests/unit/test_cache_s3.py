@@ -4,6 +4,7 @@ signatures, which must be the ones botocore makes for the same request at the sa
 from __future__ import annotations
 
 import datetime
+import json
 from pathlib import Path
 from urllib.parse import parse_qs, quote_plus, urlsplit
 
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.cache.fetch import s3 as s3_module
 from agent.cache.fetch.s3 import S3, Listed, Page, parse_error, parse_list, profile_region
 from agent.cache.fetch.transfer import Limits
 from spotdrain.retry import ApiError
@@ -203,3 +205,35 @@ async def test_a_listing_query_is_signed_as_botocore_signs_it(credentials: None)
     request = botocore.awsrequest.AWSRequest(method="GET", url=url)
     _botocore_signed(request, _amz_date(headers["X-Amz-Date"]), botocore.auth.S3SigV4Auth)
     assert headers["Authorization"] == request.headers["Authorization"]
+
+
+@given(st.one_of(st.binary(max_size=300), st.recursive(st.none() | st.text() | st.integers(), st.lists, max_leaves=8)))
+def test_any_answer_from_imds_is_the_roles_credentials_or_one_of_the_errors_the_fetch_reports(answer: object) -> None:
+    """Whatever IMDS answers for the role's document (bytes, or JSON with any ``Expiration``): the credentials, or
+    an error the signing reports as "no credentials", never another exception that would end the fetch."""
+    fields = {"AccessKeyId": "A", "SecretAccessKey": "S", "Token": "T", "Expiration": answer}
+    document = answer if isinstance(answer, bytes) else json.dumps(fields).encode()
+    replies = iter([b"token", b"role\n", document])
+
+    def imds(base: str, method: str, path: str, headers: dict[str, str]) -> str:
+        return next(replies).decode()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(s3_module, "_imds", imds)
+        patch.setattr(s3_module, "_instance_roles", {})
+        try:
+            found = s3_module.instance_role()
+        except s3_module.ROLE_ERRORS:
+            return
+    assert (found.access_key_id, found.secret_access_key, found.session_token) == ("A", "S", "T")
+
+
+def test_the_role_document_imds_gives_is_taken() -> None:
+    document = {"Code": "Success", "AccessKeyId": "A", "SecretAccessKey": "S", "Token": "T"}
+    replies = iter(["token", "role\n", json.dumps({**document, "Expiration": "2099-01-01T00:00:00Z"})])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(s3_module, "_imds", lambda *_: next(replies))
+        patch.setattr(s3_module, "_instance_roles", {})
+        found = s3_module.instance_role()
+        assert s3_module.instance_role() is found  # kept: IMDS is not asked again
+    assert (found.access_key_id, found.session_token) == ("A", "T")

@@ -38,15 +38,18 @@ from spotdrain import http1
 from spotdrain.retry import ApiError, retry_after
 
 DEFAULT_REGION = "us-east-1"
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a page of 1,000 keys is about 0.3 MB
+_DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")  # a bucket name that can be a host name's label
+
 IMDS = "http://169.254.169.254"
 IMDS_TIMEOUT_S = 1.0  # a local service: the SDKs wait 1 s too
 ROLE_PATH = "/latest/meta-data/iam/security-credentials/"
 ROLE_REFRESH_S = 300
 TOKEN_TTL = "X-aws-ec2-metadata-token-ttl-seconds"
+# What instance_role raises: no IMDS or an error status (OSError), or an answer that is not the role's credentials.
+ROLE_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError)
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # IMDS is never reached through a proxy
 _instance_roles: dict[str, tuple[float, auth.AwsCredentials]] = {}  # by IMDS endpoint: (expiry, credentials)
-MAX_BODY_BYTES = 16 * 1024 * 1024  # a page of 1,000 keys is about 0.3 MB
-_DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")  # a bucket name that can be a host name's label
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,7 @@ class S3:
                     raise ApiError(0, f"no credentials to sign with: {error.name}: {error.message}") from None
         try:
             found = await asyncio.to_thread(instance_role)
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except ROLE_ERRORS as error:
             why = f"none in the environment, profiles, web identity or container, nor from IMDSv2: {error}"
             raise ApiError(0, f"no credentials to sign with: {why}") from None
         self.role = True
@@ -288,8 +291,8 @@ def sdk_chain() -> auth.AwsCredentialsProvider:
 
 def instance_role() -> auth.AwsCredentials:
     """The instance role's credentials from IMDSv2 (at ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, else 169.254.169.254),
-    kept until five minutes before they expire. Blocks, each request for IMDS_TIMEOUT_S at the most; raises OSError
-    (no IMDS, an error status), or ValueError, KeyError or TypeError (an answer that is not the role's)."""
+    kept until five minutes before they expire. Blocks, each request for IMDS_TIMEOUT_S at the most; raises one of
+    ROLE_ERRORS where there are none."""
     base = (os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT") or IMDS).rstrip("/")
     known = _instance_roles.get(base)
     if known is not None and known[0] - time.time() > ROLE_REFRESH_S:
