@@ -33,7 +33,7 @@ from awscrt import auth
 from awscrt.exceptions import AwsCrtError
 from awscrt.http import HttpHeaders, HttpRequest
 
-from agent.cache.fetch.transfer import FetchError, Limits, proxy_for
+from agent.cache.fetch.transfer import FetchError, Limits, answer_head, idle_bounded
 from spotdrain import http1
 from spotdrain.retry import ApiError, retry_after
 
@@ -186,22 +186,24 @@ class S3:
 async def _request(
     method: str, url: str, headers: Mapping[str, str], limits: Limits
 ) -> tuple[int, str, Mapping[str, str], bytes]:
-    """Status, reason, headers (names in lower case) and body of one request; ApiError where there is no whole
-    answer. A certificate the system's store does not trust is not worth a retry: FetchError at once."""
-    parts = urlsplit(url)
+    """Status, reason, headers (names in lower case) and body of one request, its redirects not followed (S3 names a
+    region rather than a place); ApiError where there is no whole answer. A certificate the system's store does not
+    trust is not worth a retry: FetchError at once."""
     answer: http1.Answer | None = None
     try:
         async with asyncio.timeout(limits.total_s):
-            proxy = proxy_for(parts.scheme, parts.netloc)
-            answer = await http1.connect(f"{parts.scheme}://{parts.netloc}", connect_s=limits.connect_s, proxy=proxy)
-            async with asyncio.timeout(limits.read_s):
-                await answer.send(parts.path + (f"?{parts.query}" if parts.query else ""), b"", headers, method=method)
-            body = b"" if method == "HEAD" else await _body(answer, limits.read_s)
-        return answer.status, answer.reason, {k.lower(): v for k, v in answer.headers.items()}, body
+            answer = await answer_head(url, headers, limits, method=method, follow=False)
+            body = bytearray()
+            if method != "HEAD":
+                async for block in idle_bounded(answer, limits.read_s):
+                    body += block
+                    if len(body) > MAX_BODY_BYTES:
+                        raise http1.BadAnswer(f"a body longer than {MAX_BODY_BYTES} bytes")
+        return answer.status, answer.reason, {k.lower(): v for k, v in answer.headers.items()}, bytes(body)
     except TimeoutError:
         raise ApiError(0, "no answer in time", failure="timeout") from None
     except ssl.SSLCertVerificationError as error:
-        raise FetchError(f"{parts.netloc}: {error}", reason="listing") from None
+        raise FetchError(f"{urlsplit(url).netloc}: {error}", reason="listing") from None
     except OSError as error:
         raise ApiError(0, f"{type(error).__name__}: {error}") from None
     except http1.BadAnswer as error:
@@ -209,21 +211,6 @@ async def _request(
     finally:
         if answer is not None:
             answer.close()
-
-
-async def _body(answer: http1.Answer, idle_s: float) -> bytes:
-    blocks: list[bytes] = []
-    size = 0
-    body = answer.body()
-    while True:
-        async with asyncio.timeout(idle_s):
-            block = await anext(body, None)
-        if block is None:
-            return b"".join(blocks)
-        size += len(block)
-        if size > MAX_BODY_BYTES:
-            raise http1.BadAnswer(f"a body longer than {MAX_BODY_BYTES} bytes")
-        blocks.append(block)
 
 
 def parse_list(body: bytes) -> Page:

@@ -14,7 +14,7 @@ import errno
 import os
 import re
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
@@ -81,12 +81,12 @@ async def get_part(
     answer: http1.Answer | None = None
     try:
         async with asyncio.timeout(limits.total_s):
-            answer = await _answer(url, headers, limits)
+            answer = await answer_head(url, headers, limits)
             _check_answer(answer, part)
             if answer.length is not None:
                 await answer.write_body(write, idle_s=limits.read_s)
             else:
-                async for block in _idle_bounded(answer, limits.read_s):
+                async for block in idle_bounded(answer, limits.read_s):
                     write(memoryview(block))
         if written != part.size:
             raise ApiError(0, f"the body ended at {written} of {part.size} bytes")
@@ -110,8 +110,10 @@ async def get_part(
             answer.close()
 
 
-async def _answer(url: str, headers: dict[str, str], limits: Limits) -> http1.Answer:
-    """The answer's head, redirects followed (the last one's connection left open for its body)."""
+async def answer_head(
+    url: str, headers: Mapping[str, str], limits: Limits, *, method: str = "GET", follow: bool = True
+) -> http1.Answer:
+    """The answer's head, redirects followed where ``follow`` (the last one's connection left open for its body)."""
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
         proxy = proxy_for(parts.scheme, parts.netloc)
@@ -119,12 +121,12 @@ async def _answer(url: str, headers: dict[str, str], limits: Limits) -> http1.An
         try:
             async with asyncio.timeout(limits.read_s):
                 target = parts.path + (f"?{parts.query}" if parts.query else "")
-                await answer.send(target, b"", headers, method="GET")
+                await answer.send(target, b"", headers, method=method)
         except BaseException:
             answer.close()
             raise
         location = answer.headers.get("Location")
-        if answer.status not in REDIRECTS or location is None:
+        if not follow or answer.status not in REDIRECTS or location is None:
             return answer
         answer.close()
         url = urljoin(url, location)
@@ -145,7 +147,7 @@ def proxy_for(scheme: str, netloc: str) -> str | None:
     return proxy
 
 
-async def _idle_bounded(answer: http1.Answer, idle_s: float) -> AsyncIterator[bytes]:
+async def idle_bounded(answer: http1.Answer, idle_s: float) -> AsyncIterator[bytes]:
     """An answer's body without a size, block by block, TimeoutError after ``idle_s`` without one."""
     body = answer.body()
     while True:
