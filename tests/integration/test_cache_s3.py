@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from agent.cache.fetch import s3 as s3_module
 from agent.cache.fetch.listing import S3Listing
 from agent.cache.fetch.run import fetch
 from agent.cache.fetch.s3 import S3
@@ -233,6 +234,44 @@ async def test_an_imds_that_refuses_tokens_gives_no_credentials_and_is_never_ask
         with pytest.raises(FetchError, match="no credentials to sign with"):
             await listing(endpoint).files()
         assert not imds.requests  # AWS_EC2_METADATA_DISABLED: not asked at all
+
+
+@pytest.mark.parametrize("fault", ["hang", "cut", "cut-before-the-body", "cut-mid-chunk", "garbage"])
+async def test_an_imds_that_hangs_cuts_its_answer_or_answers_garbage_gives_no_credentials(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each within IMDS_TIMEOUT_S a request, and reported as no credentials: never another exception."""
+
+    async def imds(request: web.Request) -> web.StreamResponse:
+        if request.method == "PUT":
+            return web.Response(text="a-token")
+        if request.path.endswith("/security-credentials/"):
+            return web.Response(text="gpu-node")
+        if fault == "hang":
+            await released.wait()
+        if fault == "garbage":
+            return web.Response(text="<html>a captive portal's page, with a 200</html>")
+        response = web.StreamResponse(headers={} if fault == "cut-mid-chunk" else {"Content-Length": "1000"})
+        if fault == "cut-mid-chunk":
+            response.enable_chunked_encoding()
+        await response.prepare(request)
+        if fault in ("cut", "cut-mid-chunk"):
+            await response.write(b'{"AccessKeyId": "ASIA')
+        assert request.transport is not None
+        request.transport.close()  # the connection cut mid-document
+        return response
+
+    released = asyncio.Event()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", imds)
+    async with serving_app(app) as port, scripted(lambda request: web.Response(body=page([]))) as endpoint:
+        no_other_credentials(monkeypatch, f"http://127.0.0.1:{port}")
+        started = time.monotonic()
+        with pytest.raises(FetchError, match="no credentials to sign with: none in the environment") as raised:
+            await listing(endpoint).files()
+        released.set()
+    assert raised.value.transient
+    assert time.monotonic() - started < 3 * (1 + len(FAST)) * s3_module.IMDS_TIMEOUT_S
 
 
 @pytest.fixture

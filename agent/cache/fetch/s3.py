@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from http.client import HTTPException
 from typing import Any
 from urllib.parse import quote, unquote_plus, urlencode, urlsplit
 from xml.etree import ElementTree
@@ -46,8 +47,9 @@ IMDS_TIMEOUT_S = 1.0  # a local service: the SDKs wait 1 s too
 ROLE_PATH = "/latest/meta-data/iam/security-credentials/"
 ROLE_REFRESH_S = 300
 TOKEN_TTL = "X-aws-ec2-metadata-token-ttl-seconds"
-# What instance_role raises: no IMDS or an error status (OSError), or an answer that is not the role's credentials.
-ROLE_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError)
+# What instance_role raises: no IMDS or an error status (OSError), an answer cut short (HTTPException: a chunked one
+# raises IncompleteRead), or an answer that is not the role's credentials.
+ROLE_ERRORS = (OSError, HTTPException, ValueError, KeyError, TypeError, AttributeError, RecursionError)
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # IMDS is never reached through a proxy
 _instance_roles: dict[str, tuple[float, auth.AwsCredentials]] = {}  # by IMDS endpoint: (expiry, credentials)
 
