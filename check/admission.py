@@ -19,7 +19,11 @@ def spotdrain_webhooks(snapshot: Snapshot) -> list[Obj]:
 
 def check_webhook(snapshot: Snapshot) -> list[Finding]:
     configs = spotdrain_webhooks(snapshot)
-    labelled = [o.name(ns) for ns in snapshot.namespaces if o.labels(ns).get(o.INJECT_LABEL) == "true"]
+    labelled = [
+        o.name(ns)
+        for ns in snapshot.namespaces
+        if o.labels(ns).get(o.INJECT_LABEL) == "true" and snapshot.namespace in (None, o.name(ns))
+    ]
     if not configs:
         if labelled:
             message = f"namespaces {', '.join(labelled)} are labelled {o.INJECT_LABEL}=true but no webhook is installed"

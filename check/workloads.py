@@ -38,7 +38,7 @@ def _restart(namespace: str, pods: list[Obj]) -> str:
 
 
 def check_sidecar_injection(snapshot: Snapshot) -> list[Finding]:
-    labelled = {o.name(ns) for ns in snapshot.namespaces if o.labels(ns).get(o.INJECT_LABEL) == "true"}
+    labelled = _labelled_namespaces(snapshot)
     by_namespace: dict[str, list[Obj]] = defaultdict(list)
     for pod in _inference_without_sidecar(snapshot):
         by_namespace[o.namespace(pod)].append(pod)
@@ -90,27 +90,51 @@ def _sidecar_versions(snapshot: Snapshot) -> list[Finding]:
     return findings
 
 
+def _awaiting_sidecar(snapshot: Snapshot) -> list[Obj]:
+    """Inference pods that ask for the sidecar (their namespace or their own label) and were created without it."""
+    labelled = _labelled_namespaces(snapshot)
+    return [
+        p
+        for p in _inference_without_sidecar(snapshot)
+        if o.namespace(p) in labelled or o.labels(p).get(o.INJECT_LABEL) == "true"
+    ]
+
+
+def _labelled_namespaces(snapshot: Snapshot) -> set[str]:
+    return {o.name(ns) for ns in snapshot.namespaces if o.labels(ns).get(o.INJECT_LABEL) == "true"}
+
+
 def check_budgets(snapshot: Snapshot) -> list[Finding]:
-    drained = sidecar_pods(snapshot)
+    """Budgets over pods with the sidecar, or over pods that will have it once they are recreated, need AlwaysAllow:
+    the sidecar takes a draining pod out of rotation, and the API server evicts a pod that is not ready only then."""
+    drained, awaiting = sidecar_pods(snapshot), _awaiting_sidecar(snapshot)
     findings, over = [], 0
     for budget in snapshot.budgets:
         selector = o.spec(budget).get("selector")
-        pods = [
-            p for p in drained if o.namespace(p) == o.namespace(budget) and o.selector_matches(selector, o.labels(p))
+        covered = [
+            [p for p in pods if o.namespace(p) == o.namespace(budget) and o.selector_matches(selector, o.labels(p))]
+            for pods in (drained, awaiting)
         ]
-        if not pods:
+        if not any(covered):
             continue
         over += 1
         if o.spec(budget).get(o.POLICY) == o.ALWAYS_ALLOW:
             continue
         message = (
-            f"{o.ref('PodDisruptionBudget', budget)} covers {len(pods)} pods with the sidecar and lacks "
+            f"{o.ref('PodDisruptionBudget', budget)} covers {_covered(*covered)} and lacks "
             f"{o.POLICY}: {o.ALWAYS_ALLOW}: the API server refuses to evict the pods the sidecar took out of rotation"
         )
         patch = '{"spec":{"' + o.POLICY + '":"' + o.ALWAYS_ALLOW + '"}}'
         fix = f"kubectl -n {o.namespace(budget)} patch pdb {o.name(budget)} --type merge -p '{patch}'"
         findings.append(error("budgets", message, [o.ref("PodDisruptionBudget", budget)], fix))
     return findings or [ok("budgets", f"{over} budgets over pods with the sidecar let drained pods be evicted")]
+
+
+def _covered(with_sidecar: list[Obj], awaiting: list[Obj]) -> str:
+    parts = [f"{len(with_sidecar)} pods with the sidecar"] if with_sidecar else []
+    if awaiting:
+        parts.append(f"{len(awaiting)} pods that get the sidecar once recreated")
+    return " and ".join(parts)
 
 
 def check_grace_periods(snapshot: Snapshot) -> list[Finding]:
