@@ -58,8 +58,23 @@ class Disk:
 
 @dataclass(frozen=True)
 class Mounted:
+    """The topmost mount at the cache path, from ``/proc/self/mountinfo``.
+
+    ``root`` is the directory of the source filesystem mounted there: ``/`` for a filesystem mounted at the path, the
+    directory for a bind mount. The kubelet bind-mounts a hostPath into the container, so the init container always
+    finds one at the cache path: the host directory (``/mnt/model-cache``) on the host's root device. ``shared``: the
+    mount is in a peer group, so a mount made on it appears on its peers too (the host's, with Bidirectional).
+    """
+
     source: str
     fstype: str
+    root: str = "/"
+    shared: bool = False
+
+    @property
+    def bound_directory(self) -> bool:
+        """A directory bound here rather than a filesystem: mounting over it hides, and so changes, nothing of it."""
+        return self.root != "/"
 
 
 @dataclass(frozen=True)
@@ -103,14 +118,32 @@ def plan_cache(devices: Sequence[str], state: ProbeState, settings: CacheSetting
         array = _plan_array([state.disks[d] for d in devices], state, settings)
     if array.target is None:
         return Plan(tuple(array.steps), array.reason, settings.array_path)
-    target = array.target
-    if state.mounted is not None:
-        if state.mounted.source != target.real:
-            source = f"{state.mounted.source} ({state.mounted.fstype})"
+    target, mounted = array.target, state.mounted
+    if mounted is not None and not mounted.bound_directory:
+        if mounted.source != target.real:
+            source = f"{mounted.source} ({mounted.fstype})"
             raise CacheError("mount", str(settings.path), f"already mounted from {source}, not from {target.path}")
         return Plan(tuple(array.steps), f"{array.reason}: mounted at {settings.path}", target.path)
+    if mounted is not None:
+        _check_propagation(mounted, settings)
     steps = array.steps + _plan_filesystem(target, settings) + _plan_mount(target, settings)
-    return Plan(tuple(steps), array.reason, target.path)
+    over = "" if mounted is None else f", over the directory bound at {settings.path} ({mounted.source}:{mounted.root})"
+    return Plan(tuple(steps), array.reason + over, target.path)
+
+
+def _check_propagation(bound: Mounted, settings: CacheSettings) -> None:
+    """Refuse a bound directory whose mounts would stay in this mount namespace, before anything is written.
+
+    Mounted over such a bind (a hostPath with ``HostToContainer`` or no propagation), the cache would vanish with
+    the init container while the node is labelled ready and the pods write their models onto the root volume.
+    """
+    if not bound.shared:
+        source = f"{bound.source}:{bound.root}"
+        refusal = (
+            f"it is a directory bound from {source} that is not a shared mount, so a cache mounted there would reach "
+            "neither the host nor the inference pods; mount the hostPath with mountPropagation: Bidirectional"
+        )
+        raise CacheError("mount", str(settings.path), refusal)
 
 
 def _own_filesystem(disk: Disk) -> bool:
@@ -248,8 +281,12 @@ def parse_blkid(text: str) -> dict[str, str]:
 
 
 def parse_mountinfo(text: str, mount_point: str) -> Mounted | None:
-    """What is mounted at ``mount_point`` according to ``/proc/self/mountinfo``; the last (topmost) mount wins."""
-    found = None
+    """What is mounted at ``mount_point`` according to ``/proc/self/mountinfo`` (proc(5)), None if nothing is.
+
+    Mounts stack at one point (the kubelet's bind of the hostPath, the cache mounted over it). A path lookup reaches
+    the topmost: the one no other mount at that point sits on (names as its parent), wherever it is listed.
+    """
+    stack: dict[str, tuple[str, Mounted]] = {}  # mount ID -> (parent ID, the mount)
     for line in text.splitlines():
         fields = line.split(" ")
         if "-" not in fields[6:]:
@@ -257,8 +294,13 @@ def parse_mountinfo(text: str, mount_point: str) -> Mounted | None:
         separator = fields.index("-", 6)
         if len(fields) < separator + 3 or _unoctal(fields[4]) != mount_point:
             continue
-        found = Mounted(source=_unoctal(fields[separator + 2]), fstype=fields[separator + 1])
-    return found
+        shared = any(tag.startswith("shared:") for tag in fields[6:separator])
+        source, fstype, root = _unoctal(fields[separator + 2]), fields[separator + 1], _unoctal(fields[3])
+        stack[fields[0]] = (fields[1], Mounted(source=source, fstype=fstype, root=root, shared=shared))
+    parents = {parent for parent, _ in stack.values()}
+    tops = [mount for mount_id, (_, mount) in stack.items() if mount_id not in parents]
+    listed = tops or [mount for _, mount in stack.values()]  # a loop of parents: only a corrupt table has one
+    return listed[-1] if listed else None
 
 
 def _unoctal(text: str) -> str:

@@ -260,8 +260,76 @@ MOUNTINFO = (
 
 
 def test_the_topmost_mount_at_the_cache_path_is_found_with_octal_escapes() -> None:
-    assert parse_mountinfo(MOUNTINFO, "/mnt/model cache") == Mounted(source="/dev/loop1", fstype="xfs")
+    found = Mounted(source="/dev/loop1", fstype="xfs", root="/", shared=True)
+    assert parse_mountinfo(MOUNTINFO, "/mnt/model cache") == found
     assert parse_mountinfo(MOUNTINFO, "/mnt/other") is None
+
+
+# /proc/self/mountinfo in the node agent's init container (proc(5): ID, parent ID, major:minor, root, mount point,
+# options, optional fields up to "-", type, source). The kubelet bind-mounts the hostPath: its root is the host
+# directory on the host's root device; Bidirectional makes it a shared mount (the host's peer group, shared:1).
+ROOTFS = "1420 1100 0:410 / / rw,relatime - overlay overlay rw,lowerdir=/var/lib/containerd/l1,upperdir=/u,workdir=/w\n"
+HOSTPATH = "1437 1420 259:1 /mnt/model-cache /mnt/model-cache rw,relatime shared:1 - ext4 /dev/vda rw\n"
+OURS = "1502 1437 7:0 / /mnt/model-cache rw,noatime shared:310 - xfs /dev/loop0 rw,inode64,noquota\n"
+
+
+def test_the_kubelets_bind_of_the_host_path_is_read_as_a_shared_bound_directory() -> None:
+    assert parse_mountinfo(ROOTFS + HOSTPATH, "/mnt/model-cache") == Mounted(
+        source="/dev/vda", fstype="ext4", root="/mnt/model-cache", shared=True
+    )
+
+
+def test_the_cache_is_formatted_and_mounted_over_the_kubelets_bind_of_the_host_path() -> None:
+    probed = state(disk("/dev/loop0"), mounted=parse_mountinfo(ROOTFS + HOSTPATH, "/mnt/model-cache"))
+    plan = plan_cache(["/dev/loop0"], probed, SETTINGS)
+    assert [s.argv for s in plan.steps] == [
+        ("mkfs.xfs", "-K", "-L", "model-cache", "/dev/loop0"),
+        ("mkdir", "-p", "/mnt/model-cache"),
+        ("mount", "-o", "noatime", "/dev/loop0", "/mnt/model-cache"),
+    ]
+    assert plan.target == "/dev/loop0"
+
+
+def test_the_cache_mounted_over_the_bind_is_found_on_top_and_plans_nothing() -> None:
+    mounted = parse_mountinfo(ROOTFS + HOSTPATH + OURS, "/mnt/model-cache")
+    assert mounted == Mounted(source="/dev/loop0", fstype="xfs", root="/", shared=True)
+    probed = state(disk("/dev/loop0", "xfs", "model-cache"), mounted=mounted)
+    assert plan_cache(["/dev/loop0"], probed, SETTINGS).steps == ()
+
+
+def test_the_topmost_mount_is_the_one_no_other_sits_on_wherever_it_is_listed() -> None:
+    # A mount moved beneath another (move_mount(2) MOVE_MOUNT_BENEATH) is listed after the one above it.
+    beneath = "1503 1437 7:1 / /mnt/model-cache rw - ext4 /dev/loop1 rw\n"
+    above = OURS.replace(" 1437 ", " 1503 ")
+    assert parse_mountinfo(HOSTPATH + above + beneath, "/mnt/model-cache") == Mounted(
+        source="/dev/loop0", fstype="xfs", root="/", shared=True
+    )
+
+
+def test_a_restarted_init_container_finds_the_cache_the_host_has_through_its_bind_and_plans_nothing() -> None:
+    # After a pod restart the kubelet binds the host directory again; the cache mounted on it there comes whole.
+    rebound = "1610 1420 7:0 / /mnt/model-cache rw,noatime shared:310 - xfs /dev/loop0 rw,inode64,noquota\n"
+    mounted = parse_mountinfo(ROOTFS + rebound, "/mnt/model-cache")
+    probed = state(disk("/dev/loop0", "xfs", "model-cache"), mounted=mounted)
+    assert plan_cache(["/dev/loop0"], probed, SETTINGS).steps == ()
+
+
+def test_a_foreign_filesystem_at_the_host_path_is_still_refused() -> None:
+    foreign = "1610 1420 259:3 / /mnt/model-cache rw,relatime shared:77 - ext4 /dev/nvme3n1 rw\n"
+    probed = state(disk("/dev/loop0"), mounted=parse_mountinfo(ROOTFS + foreign, "/mnt/model-cache"))
+    with pytest.raises(CacheError, match=r"already mounted from /dev/nvme3n1 \(ext4\), not from /dev/loop0"):
+        plan_cache(["/dev/loop0"], probed, SETTINGS)
+
+
+@pytest.mark.parametrize("propagation", ["master:1", "", "unbindable"], ids=["HostToContainer", "None", "unbindable"])
+def test_a_bound_host_path_that_would_not_carry_the_mount_to_the_host_is_refused_before_any_write(
+    propagation: str,
+) -> None:
+    bound = HOSTPATH.replace(" shared:1 ", f" {propagation} ".replace("  ", " "))
+    probed = state(disk("/dev/loop0"), mounted=parse_mountinfo(ROOTFS + bound, "/mnt/model-cache"))
+    with pytest.raises(CacheError, match="mountPropagation: Bidirectional") as caught:
+        plan_cache(["/dev/loop0"], probed, SETTINGS)
+    assert (caught.value.step, caught.value.device) == ("mount", "/mnt/model-cache")
 
 
 def test_recorded_uuids_compare_with_the_ones_blkid_prints() -> None:
