@@ -45,6 +45,7 @@ PACKAGES = {
     "mkfs.xfs": "xfsprogs",
     "mkfs.ext4": "e2fsprogs",
     "mdadm": "mdadm",
+    "unshare": "util-linux",
 }
 
 
