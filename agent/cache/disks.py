@@ -4,12 +4,16 @@
 again until the plan is empty, then labels the node ``spotdrain.io/model-cache=ready`` and removes the startup taint.
 A failed step raises ``CacheError`` and leaves the taint in place.
 
-Mount propagation: the cache is mounted with a plain ``mount`` at the cache path inside the agent's container. The
-DaemonSet mounts the host directory with ``mountPropagation: Bidirectional`` (which needs a privileged container), so
-the mount reaches the host, and pods that mount the same hostPath with ``HostToContainer`` see it, including a cache
-mounted after they started. ``mount --make-shared`` on the cache path is not used: it would only change how mounts
-made later *under* the cache propagate, and when run outside a container it would change the host's own tree. The
-container also needs the host's ``/dev`` (a hostPath), so that devices created after it started (``/dev/md*``) appear.
+Mount propagation: the cache is mounted with a plain ``mount`` at the cache path inside the agent's container, over
+the kubelet's bind of the host directory (so the path is always a mount there; ``plan_cache`` tells that bind, a
+directory, from a filesystem). The DaemonSet mounts the host directory with ``mountPropagation: Bidirectional`` (which
+needs a privileged container): the runtime binds it ``rshared``, in the host directory's peer group, so the mount
+reaches the host, and pods that mount the same hostPath with ``HostToContainer`` see it, including a cache mounted
+after they started. A bind that is not shared is refused before anything is written. A restarted container gets the
+host directory bound again, the cache on it: nothing is planned. ``mount --make-shared`` on the cache path is not
+used: it would only change how mounts made later *under* the cache propagate, and when run outside a container it
+would change the host's own tree. The container also needs the host's ``/dev`` (a hostPath), so that devices created
+after it started (``/dev/md*``) appear.
 """
 
 from __future__ import annotations
