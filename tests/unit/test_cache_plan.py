@@ -306,6 +306,13 @@ def test_the_topmost_mount_is_the_one_no_other_sits_on_wherever_it_is_listed() -
     )
 
 
+@given(st.permutations(range(4)))
+def test_the_topmost_of_a_stack_is_found_in_any_listing_order(order: list[int]) -> None:
+    stack = [f"{100 + i} {99 + i} 7:{i} / /mnt/model-cache rw - xfs /dev/loop{i} rw" for i in range(4)]
+    found = parse_mountinfo("\n".join(stack[i] for i in order), "/mnt/model-cache")
+    assert found == Mounted(source="/dev/loop3", fstype="xfs")
+
+
 def test_a_restarted_init_container_finds_the_cache_the_host_has_through_its_bind_and_plans_nothing() -> None:
     # After a pod restart the kubelet binds the host directory again; the cache mounted on it there comes whole.
     rebound = "1610 1420 7:0 / /mnt/model-cache rw,noatime shared:310 - xfs /dev/loop0 rw,inode64,noquota\n"
