@@ -97,11 +97,8 @@ def _report(injected: Injected) -> None:
 
 def main(args: argparse.Namespace) -> int:
     options = options_from(args)
-    try:
-        from inject import manifest
-    except ImportError as error:
-        _say("error", f"needs PyYAML ({error}); pip install 'spotdrain[node]'")
-        return 2
+    from inject import manifest  # PyYAML, from the node extra: spotdrain.cli says so when it is missing
+
     try:
         injected = manifest.inject_text(_read(args.filename), options)
     except (OSError, UnicodeDecodeError) as error:

@@ -54,6 +54,21 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# The extras each command's dependencies come from (pyproject.toml); the sidecar and the gateway run on the base
+# install (the gateway uses uvloop and orjson where they are installed). A command run without its extra says so in
+# one line instead of a traceback.
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "node": ("node",),
+    "cache": ("node",),
+    "inject": ("node",),
+    "webhook": ("webhook",),
+    "check": ("node",),
+    "simulate": ("node", "webhook"),
+}
+# The project's own top-level packages: one of them missing is a program the image does not carry, not an extra.
+_OWN = frozenset({"spotdrain"} | {module.partition(".")[0] for _, *modules in COMMANDS.values() for module in modules})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spotdrain", description="Keep LLM token streams alive when Spot GPU nodes are reclaimed."
@@ -88,6 +103,18 @@ def _command_in(argv: Sequence[str]) -> str:
     return name
 
 
+def _prog(words: Sequence[str]) -> str:
+    return " ".join(("spotdrain", _command_in(words))).strip()
+
+
+def _needs(command: str, error: ModuleNotFoundError) -> str:
+    extras = EXTRAS.get(command.partition(" ")[0], ())
+    if not extras:
+        return f"{error} (reinstall spotdrain: one of its dependencies is missing)"
+    named = " and ".join(f"the {extra!r} extra" for extra in extras)
+    return f"needs {named} ({error}): pip install 'spotdrain[{','.join(extras)}]'"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -97,8 +124,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging(json=json_logs, level=args.log_level)
         code: int = importlib.import_module(COMMANDS[args.command][2]).main(args)
     except SettingsError as error:
-        prog = " ".join(("spotdrain", _command_in(words))).strip()
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        print(f"{_prog(words)}: error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.partition(".")[0] in _OWN:
+            raise
+        print(f"{_prog(words)}: error: {_needs(_command_in(words), error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
