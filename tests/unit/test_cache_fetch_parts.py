@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from agent.cache.fetch.sources import (
     MirrorSource,
     RemoteFile,
     S3Source,
+    composite_value,
     http_checksums,
     mirror_files,
     parse_source,
@@ -268,7 +270,7 @@ def test_part_crcs_taken_as_they_arrived_combine_with_parts_read_back_into_the_f
     """Parts 0 and 2 of 4 hashed as they arrived, parts 1 and 3 (the short last one) read back: the file's CRC. A
     part whose CRC is known but whose bytes on disk differ is not read again: what arrived is what was hashed."""
     part_size, data = 1024 * 1024, os.urandom(3 * 1024 * 1024 + 11)
-    crc = crc_of(RemoteFile("f", len(data), (Checksum(kind, "0"),)))
+    crc = crc_of(RemoteFile("f", len(data), (Checksum(kind, "0"),)), part_size)
     assert crc is not None
     width = 8 if kind == "crc64nvme" else 4
     checksum = Checksum(kind, crc(data, 0).to_bytes(width, "big").hex())
@@ -284,4 +286,80 @@ def test_part_crcs_taken_as_they_arrived_combine_with_parts_read_back_into_the_f
         assert digest.check(fd) == (None, checksum)
     finally:
         os.close(fd)
-    assert crc_of(RemoteFile("f", 1, (Checksum("sha256", "0"), checksum))) is None  # the first checksum decides
+    assert (
+        crc_of(RemoteFile("f", 1, (Checksum("sha256", "0"), checksum)), part_size) is None
+    )  # the first checksum decides
+
+
+def _composite(kind: str, data: bytes, sizes: list[int]) -> tuple[list[tuple[int, dict[str, str]]], list[bytes]]:
+    """The part HEADs S3 answers for ``data`` uploaded in parts of ``sizes`` with a COMPOSITE ``kind``."""
+    digest: dict[str, Callable[[bytes], bytes]] = {
+        "crc32": lambda b: zlib.crc32(b).to_bytes(4, "big"),
+        "crc32c": lambda b: crt.crc32c(b).to_bytes(4, "big"),
+        "sha1": lambda b: hashlib.sha1(b).digest(),
+        "sha256": lambda b: hashlib.sha256(b).digest(),
+    }
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    digests = [digest[kind](data[start : start + size]) for start, size in zip(starts, sizes, strict=True)]
+    return [(size, {kind: base64.b64encode(d).decode()}) for size, d in zip(sizes, digests, strict=True)], digests
+
+
+@pytest.mark.parametrize("kind", ["crc32", "crc32c", "sha1", "sha256"])
+def test_a_composite_checksum_is_checked_by_each_parts_own_and_names_the_part_that_differs(
+    tmp_path: Path, kind: str
+) -> None:
+    """As boto3's upload_file and the CLI leave a file over 8 MiB: its parts' own checksums, and S3's value of them
+    (the checksum of the parts' checksums, -N). The whole file's checksum would be neither."""
+    data, sizes = os.urandom(5000), [2048, 2048, 904]
+    parts, digests = _composite(kind, data, sizes)
+    (checksum,) = s3_checksums(etag="", part_size=2048, whole_b64={}, parts_b64=parts, encrypted=False)
+    assert checksum.kind == f"composite-{kind}"
+    assert checksum.parts == tuple((size, d.hex()) for size, d in zip(sizes, digests, strict=True))
+    assert checksum.value.endswith("-3")
+    assert checksum.as_json() == {"kind": f"composite-{kind}", "value": checksum.value, "part_sizes": sizes}
+    file = RemoteFile("m.bin", len(data), (checksum,))
+    assert _checked(tmp_path, data, file) == (None, checksum)
+    wrong = data[:3000] + bytes([data[3000] ^ 1]) + data[3001:]
+    problem, _ = _checked(tmp_path, wrong, file)
+    assert problem is not None
+    assert problem.startswith(f"m.bin: composite-{kind} ")
+    assert "(part 2 of 3 differs" in problem
+
+
+def test_a_composite_crc32_is_the_crc_of_the_parts_crcs_as_s3_shows_it() -> None:
+    """S3's own example of a two-part upload can't be had offline; moto computes it as S3 documents (the CRC of the
+    parts' CRCs joined), and so must this."""
+    one, two = zlib.crc32(b"a").to_bytes(4, "big"), zlib.crc32(b"b").to_bytes(4, "big")
+    assert composite_value("crc32", [one, two]) == f"{zlib.crc32(one + two):08x}-2"
+    assert composite_value("crc32c", [one]) == f"{crt.crc32c(one):08x}-1"
+
+
+def test_a_part_checksum_of_a_wrong_length_or_a_missing_one_gives_no_composite() -> None:
+    parts = [(4, {"crc32": base64.b64encode(b"abcd").decode()}), (2, {"crc32": base64.b64encode(b"abc").decode()})]
+    assert s3_checksums(etag="", part_size=4, whole_b64={}, parts_b64=parts, encrypted=False) == ()
+    assert s3_checksums(etag="", part_size=4, whole_b64={}, parts_b64=[(4, {})], encrypted=False) == ()
+
+
+@pytest.mark.parametrize(("upload_part", "arrival"), [(2 * 1024 * 1024, True), (1024 * 1024 + 512 * 1024, False)])
+def test_a_composite_crc_takes_the_fetch_parts_crcs_where_each_lies_in_one_upload_part(
+    tmp_path: Path, upload_part: int, arrival: bool
+) -> None:
+    """Fetch parts of 1 MiB in upload parts of 2 MiB: their CRCs, taken as they arrived, are combined per upload
+    part and nothing is read back. In upload parts of 1.5 MiB a fetch part spans two: all of it is read back."""
+    part_size, data = 1024 * 1024, os.urandom(5 * 1024 * 1024 + 11)
+    sizes = [upload_part] * (len(data) // upload_part) + [len(data) % upload_part]
+    parts, _ = _composite("crc32", data, sizes)
+    (checksum,) = s3_checksums(etag="", part_size=upload_part, whole_b64={}, parts_b64=parts, encrypted=False)
+    file = RemoteFile("f", len(data), (checksum,))
+    crc = crc_of(file, part_size)
+    assert (crc is not None) == arrival
+    arrived = {i: zlib.crc32(data[i * part_size : (i + 1) * part_size]) for i in range(6)} if arrival else {}
+    path = tmp_path / "f"
+    path.write_bytes(data if not arrival else bytes(len(data)))  # zeros on disk: only what arrived can pass
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        digest = Digest(file)
+        digest.feed(fd, len(data), arrived, part_size)
+        assert digest.check(fd) == (None, checksum)
+    finally:
+        os.close(fd)

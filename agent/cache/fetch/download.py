@@ -7,7 +7,8 @@ fetch ends about when the disk has taken the last part. Written parts are fsynce
 checkpoint (about twice a second, and at the end), so a fetch killed at any moment leaves a record of only parts
 whose bytes are on disk. Each file's checksum is fed, in a thread, as far as the file is written from its start while
 its other parts arrive; once its last part is written, what is left is hashed and the file checked. A file whose
-check fails is fetched again once; a second failure ends the fetch with an error naming it.
+check fails is fetched again once; a second failure removes it from staging and ends the fetch with an error naming
+it (the other files' parts stay, to be resumed).
 """
 
 from __future__ import annotations
@@ -84,12 +85,21 @@ class Transfers:
                     log.warning("cache.fetch_check_failed", name=self.name, problem=state.problem, attempt=attempt)
                     self.progress.add(-state.file.size)
                     state.done.clear()
+            await self._discard(todo)
             raise FetchError(f"{todo[0].problem} (fetched twice)", reason="checksum")
         except OSError as error:
             raise disk_error(error, str(self.staging)) from None
         finally:
             for state in self.states.values():
                 os.close(state.fd)
+
+    async def _discard(self, states: list[FileState]) -> None:
+        """Remove files that failed their check twice, and record that none of their parts is done: nothing of them
+        can be resumed, and left in staging they would hold their size of the cache from the next fetch of any
+        model. Their descriptors are closed by ``run``, which frees the blocks."""
+        for state in states:
+            (self.staging / state.file.path).unlink(missing_ok=True)
+        await self._record()
 
     async def _open(self, file: RemoteFile) -> int:
         path = self.staging / file.path
@@ -153,7 +163,7 @@ class Transfers:
                 await self.url(part.file), part, state.fd, limits=self.limits, on_bytes=self.progress.add, crc=crc
             )
 
-        crc = crc_of(part.file)
+        crc = crc_of(part.file, self.part_size)
         try:
             value = await retrying(
                 attempt, what=f"GET {path} bytes {part.start}-{part.end - 1}", backoff_s=self.backoff_s

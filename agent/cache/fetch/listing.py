@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.cache.fetch.s3 import S3, Listed
 from agent.cache.fetch.sources import (
-    S3_WHOLE_CHECKSUMS,
+    S3_CHECKSUMS,
     MirrorSource,
     RemoteFile,
     S3Source,
@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # imported where a mirror is listed: an S3 fetch, an init con
 
 URL_EXPIRY_S = 3600
 RESIGN_AFTER_S = 1800  # a URL older than this is signed again before a part uses it
-HEADS_AT_ONCE = 8
+HEADS_AT_ONCE = 16  # a 5 GB file in boto3's 8 MiB parts takes 597 HEADs when its checksum is composite
+MAX_PARTS = 10_000  # S3's most parts in one upload
 
 
 class S3Listing:
@@ -57,14 +58,36 @@ class S3Listing:
 
     async def files(self) -> list[RemoteFile]:
         objects = await self._list()
-        limit = asyncio.Semaphore(HEADS_AT_ONCE)
+        self.heads = asyncio.Semaphore(HEADS_AT_ONCE)  # every HEAD of the listing, of objects and of their parts
+        return list(await asyncio.gather(*(self._described(item) for item in objects)))
 
-        async def described(item: Listed) -> RemoteFile:
-            async with limit:
-                head = await self._aws("s3.head_object", partial(self._head, item.key))
-            return self._file(item, head)
+    async def _described(self, item: Listed) -> RemoteFile:
+        """The object and what S3 keeps to check it by. HEAD of part 1 first: one HEAD for an object uploaded in one
+        part (part 1 is the whole object), and for a multipart upload the count of its parts, its part size (which
+        its ETag's MD5s are over) and whether its checksum is COMPOSITE (``x-amz-checksum-type``; the part's own
+        checksum is then the one answered). A composite checksum takes a HEAD per part, at most HEADS_AT_ONCE of the
+        listing's at once; a full-object one of a multipart upload is read from a HEAD of the whole object."""
+        first = await self._head(item.key, 1)
+        count = _parts_count(first)
+        if _is_composite(first):
+            rest = await asyncio.gather(*(self._head(item.key, n) for n in range(2, count + 1)))
+            parts = [first, *rest]
+            if sum(_length(part) for part in parts) != item.size:
+                raise FetchError(
+                    f"s3://{self.source.bucket}/{item.key}: its parts do not add up to its listed size (replaced "
+                    "while listed?)",
+                    reason="listing",
+                    transient=True,
+                )
+            return self._file(item, first, parts=parts)
+        if count == 1:
+            return self._file(item, first, whole=first)
+        return self._file(item, first, whole=await self._head(item.key, None))
 
-        return list(await asyncio.gather(*(described(item) for item in objects)))
+    async def _head(self, key: str, part: int | None) -> Mapping[str, str]:
+        async with self.heads:
+            head: Mapping[str, str] = await self._aws("s3.head_object", partial(self._head_once, key, part))
+            return head
 
     async def _list(self) -> list[Listed]:
         objects: list[Listed] = []
@@ -78,17 +101,26 @@ class S3Listing:
                 return objects
             token = page.next_token
 
-    async def _head(self, key: str) -> Mapping[str, str]:
-        """HEAD of part 1: its length is the part size a multipart ETag was computed over (a one-part object answers
-        whole). A server that does not take ``partNumber`` is asked plainly; its multipart ETags then go unchecked."""
+    async def _head_once(self, key: str, part: int | None) -> Mapping[str, str]:
+        """HEAD of the object, or of its part ``part``. A server that does not take ``partNumber`` is asked plainly;
+        its multipart ETags then go unchecked."""
+        if part is None:
+            return await self.s3.head(key)
         try:
-            return await self.s3.head(key, part_number=1)
+            return await self.s3.head(key, part_number=part)
         except ApiError as error:
-            if error.status not in (400, 416, 501):
+            if error.status not in (400, 416, 501) or part != 1:
                 raise
         return {**(await self.s3.head(key)), "content-length": "0"}
 
-    def _file(self, item: Listed, head: Mapping[str, str]) -> RemoteFile:
+    def _file(
+        self,
+        item: Listed,
+        first: Mapping[str, str],
+        *,
+        whole: Mapping[str, str] | None = None,
+        parts: Sequence[Mapping[str, str]] = (),
+    ) -> RemoteFile:
         key = item.key
         try:
             if not key.startswith(self.source.prefix):
@@ -96,14 +128,15 @@ class S3Listing:
             path = relative_path(key[len(self.source.prefix) :])
         except ValueError as error:
             raise FetchError(f"s3://{self.source.bucket}/{key}: {error}", reason="listing") from None
-        encrypted = head.get("x-amz-server-side-encryption") == "aws:kms" or bool(
-            head.get("x-amz-server-side-encryption-customer-algorithm")
+        encrypted = first.get("x-amz-server-side-encryption") == "aws:kms" or bool(
+            first.get("x-amz-server-side-encryption-customer-algorithm")
         )
-        length = head.get("content-length", "0")
+        whole_b64 = {} if whole is None or _is_composite(whole) else _checksums_in(whole)
         checksums = s3_checksums(
             etag=item.etag,
-            part_size=int(length) if length.isascii() and length.isdigit() else 0,
-            whole_b64={kind: head.get(f"x-amz-checksum-{kind}", "") for kind in S3_WHOLE_CHECKSUMS},
+            part_size=_length(first),
+            whole_b64=whole_b64,
+            parts_b64=[(_length(part), _checksums_in(part)) for part in parts],
             encrypted=encrypted,
         )
         return RemoteFile(path=path, size=item.size, checksums=checksums, key=key)
@@ -194,6 +227,26 @@ class MirrorListing:
         except ApiError as error:
             reason = "not_found" if error.status == 404 else "listing"
             raise FetchError(f"{what}: {error}", reason=reason, transient=error.transient) from None
+
+
+def _parts_count(head: Mapping[str, str]) -> int:
+    """How many parts the object was uploaded in: ``x-amz-mp-parts-count``, which S3 answers to a HEAD with
+    ``partNumber`` of a multipart upload only (API_HeadObject.html); 1 where it does not."""
+    count = head.get("x-amz-mp-parts-count", "")
+    return int(count) if count.isascii() and count.isdigit() and 1 <= int(count) <= MAX_PARTS else 1
+
+
+def _is_composite(head: Mapping[str, str]) -> bool:
+    return head.get("x-amz-checksum-type", "").upper() == "COMPOSITE"
+
+
+def _length(head: Mapping[str, str]) -> int:
+    length = head.get("content-length", "0")
+    return int(length) if length.isascii() and length.isdigit() else 0
+
+
+def _checksums_in(head: Mapping[str, str]) -> dict[str, str]:
+    return {kind: head.get(f"x-amz-checksum-{kind}", "") for kind in S3_CHECKSUMS}
 
 
 def _size_and_checksums(response: aiohttp.ClientResponse) -> tuple[int, tuple[Any, ...]]:

@@ -10,7 +10,10 @@ which is what huggingface_hub's ``model_info(files_metadata=True)`` reads).
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
+import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -57,16 +60,30 @@ Source = S3Source | MirrorSource
 @dataclass(frozen=True)
 class Checksum:
     """What the source says a file's content hashes to. ``kind``: ``md5`` (a single-part S3 ETag), ``s3-multipart``
-    (``md5(md5(part1) + md5(part2) ...)-N`` over parts of ``part_size`` bytes), ``sha256``, ``git-sha1`` (a git blob
-    id: ``sha1(b"blob <size>\\0" + content)``), ``crc64nvme``, ``crc32c``, ``crc32`` (S3's full-object checksums, as
-    the hex of their big-endian bytes). A file's first checksum, the cheapest, is the one it is checked against."""
+    (``md5(md5(part1) + md5(part2) ...)-N`` over parts of ``part_size`` bytes), ``sha256``, ``sha1``, ``git-sha1`` (a
+    git blob id: ``sha1(b"blob <size>\\0" + content)``), ``crc64nvme``, ``crc32c``, ``crc32`` (S3's full-object
+    checksums, as the hex of their big-endian bytes), or ``composite-`` one of those (S3's COMPOSITE checksum of a
+    multipart upload: each part's own checksum, in ``parts`` as (size, hex), and ``value`` the checksum of their
+    bytes joined, ``-N``, as S3 shows it). A file's first checksum, the cheapest, is the one it is checked against."""
 
     kind: str
     value: str
     part_size: int = 0
+    parts: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def algorithm(self) -> str:
+        """What is hashed: the kind, without ``composite-``; an ``s3-multipart`` ETag's parts are MD5s."""
+        return "md5" if self.kind == "s3-multipart" else self.kind.removeprefix("composite-")
 
     def as_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "value": self.value, **({"part_size": self.part_size} if self.part_size else {})}
+        sizes = {"part_sizes": [size for size, _ in self.parts]} if self.parts else {}
+        return {
+            "kind": self.kind,
+            "value": self.value,
+            **({"part_size": self.part_size} if self.part_size else {}),
+            **sizes,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,31 +126,69 @@ def relative_path(name: str) -> str:
     return name
 
 
-# The full-object checksums S3 keeps beside an object (``x-amz-checksum-*``, HeadObject with ChecksumMode=ENABLED),
-# cheapest to compute first. Since December 2024 S3 gives every new object a CRC64NVME unless its uploader chose
-# another (https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html).
-S3_WHOLE_CHECKSUMS = ("crc64nvme", "crc32c", "crc32", "sha256")
+# The checksums S3 keeps beside an object (``x-amz-checksum-*``, HeadObject with ChecksumMode=ENABLED), cheapest to
+# compute first. Since December 2024 S3 gives every new object a CRC64NVME unless its uploader chose another
+# (https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity.html).
+S3_CHECKSUMS = ("crc64nvme", "crc32c", "crc32", "sha1", "sha256")
+_DIGEST_BYTES = {"crc64nvme": 8, "crc32c": 4, "crc32": 4, "sha1": 20, "sha256": 32}
 
 
-def s3_checksums(*, etag: str, part_size: int, whole_b64: dict[str, str], encrypted: bool) -> tuple[Checksum, ...]:
+def s3_checksums(
+    *,
+    etag: str,
+    part_size: int,
+    whole_b64: Mapping[str, str],
+    parts_b64: Sequence[tuple[int, Mapping[str, str]]] = (),
+    encrypted: bool,
+) -> tuple[Checksum, ...]:
     """What an S3 object's headers say about its content, cheapest to check first: its full-object checksums
-    (``whole_b64``, base64 by kind), then its ETag. An ETag is an MD5 only for objects without SSE-KMS or SSE-C
-    (https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html); a composite checksum (``...-N``) is not one of
-    the whole content and is passed over."""
+    (``whole_b64``, base64 by kind), the composite checksum its parts' own make (``parts_b64``: each part's size
+    and checksums, from HeadObject of ``partNumber`` N), then its ETag. An ETag is an MD5 only for objects without
+    SSE-KMS or SSE-C (https://docs.aws.amazon.com/AmazonS3/latest/API/API_Object.html). A value with a ``-N`` is a
+    composite one, whatever header carries it, and is not one of the whole content."""
     found: list[Checksum] = []
-    for kind in S3_WHOLE_CHECKSUMS:
-        value = whole_b64.get(kind)
-        if value and "-" not in value:
-            try:
-                found.append(Checksum(kind, base64.b64decode(value, validate=True).hex()))
-            except ValueError:
-                continue
+    for kind in S3_CHECKSUMS:
+        digest = _digest(whole_b64.get(kind, ""), kind)
+        if digest is not None:
+            found.append(Checksum(kind, digest.hex()))
+    for kind in S3_CHECKSUMS if parts_b64 else ():
+        digests = [_digest(checksums.get(kind, ""), kind) for _, checksums in parts_b64]
+        if all(digest is not None for digest in digests):
+            joined = [digest for digest in digests if digest is not None]
+            parts = tuple((size, digest.hex()) for (size, _), digest in zip(parts_b64, joined, strict=True))
+            found.append(Checksum(f"composite-{kind}", composite_value(kind, joined), parts=parts))
     tag = etag.strip('"').lower()
     if not encrypted and _MD5.fullmatch(tag):
         found.append(Checksum("md5", tag))
     elif not encrypted and _MULTIPART.fullmatch(tag) and part_size > 0:
         found.append(Checksum("s3-multipart", tag, part_size))
     return tuple(found)
+
+
+def _digest(value: str, kind: str) -> bytes | None:
+    if not value or "-" in value:
+        return None
+    try:
+        digest = base64.b64decode(value, validate=True)
+    except ValueError:
+        return None
+    return digest if len(digest) == _DIGEST_BYTES[kind] else None
+
+
+def composite_value(kind: str, digests: Sequence[bytes]) -> str:
+    """S3's composite checksum of parts whose own are ``digests``: the ``kind`` of their bytes joined, ``-N``
+    (https://docs.aws.amazon.com/AmazonS3/latest/userguide/checking-object-integrity-upload.html)."""
+    joined = b"".join(digests)
+    if kind in ("sha1", "sha256"):
+        value = hashlib.new(kind, joined).digest()
+    elif kind == "crc32":
+        value = zlib.crc32(joined).to_bytes(4, "big")
+    else:
+        from awscrt import checksums  # the node extra's; a mirror's fetch never gets here
+
+        crc = checksums.crc32c(joined) if kind == "crc32c" else checksums.crc64nvme(joined)
+        value = crc.to_bytes(_DIGEST_BYTES[kind], "big")
+    return f"{value.hex()}-{len(digests)}"
 
 
 def http_checksums(headers: dict[str, str]) -> tuple[Checksum, ...]:

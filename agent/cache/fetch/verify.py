@@ -6,7 +6,10 @@ A ``Digest`` is fed in order, as far as the file is written from its start, so a
 file arrives and only the last stretch remains when its last part lands. A CRC is taken from each part's bytes as
 they arrive (``crc_of``) and the parts' CRCs are combined in order, so the file is not read again; the other kinds,
 and parts an earlier fetch left on disk, are read back in 1 MiB chunks (from the page cache, just written), never
-whole.
+whole. A composite checksum (S3's of a multipart upload with a CRC32, CRC32C, SHA-1 or SHA-256) is checked by the
+upload's parts: each part's own checksum over its bytes, the parts' checksums then checked as S3 combines them. Its
+fetch parts' CRCs are used as they arrived where each lies inside one of the upload's parts (an upload part size that
+is a multiple of the fetch's), else its bytes are read back.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from awscrt import checksums as crt
 
-from agent.cache.fetch.sources import Checksum, RemoteFile
+from agent.cache.fetch.sources import Checksum, RemoteFile, composite_value
 
 CHUNK = 1024 * 1024
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the format's own limit
@@ -38,59 +41,105 @@ _COMBINE: dict[str, Callable[[int, int, int], int]] = {
 }
 
 
-def crc_of(file: RemoteFile) -> Crc | None:
-    """The CRC the file is checked against, where it is one: its parts can then be hashed as they arrive."""
-    return _CRCS.get(file.checksums[0].kind) if file.checksums else None
+def crc_of(file: RemoteFile, part_size: int) -> Crc | None:
+    """The CRC of the file's fetch parts (of ``part_size`` bytes) where the check can use them as they arrive: the
+    file's checksum is a CRC, and a composite one's parts each hold whole fetch parts."""
+    checksum = file.checksums[0] if file.checksums else None
+    if checksum is None or checksum.algorithm not in _CRCS or checksum.kind == "s3-multipart":
+        return None
+    if any(size % part_size for size, _ in checksum.parts[:-1]):
+        return None  # fetch parts that span two of the upload's are read back instead
+    return _CRCS[checksum.algorithm]
 
 
 class _Hash:
-    """The running hash of one checksum, fed once over the file in order."""
+    """The running hash of one checksum, fed once over the file in order. An ``s3-multipart`` ETag or a composite
+    checksum is hashed part by part (the upload's parts), each part's digest kept."""
 
     def __init__(self, checksum: Checksum, size: int) -> None:
         self.checksum = checksum
-        self.crc = 0  # the CRC kinds' running value
-        self.part_digests: list[bytes] = []  # s3-multipart: each finished part's MD5
-        self.part_left = checksum.part_size
+        self.algorithm = checksum.algorithm
+        self.split = checksum.kind == "s3-multipart" or bool(checksum.parts)
+        self.size = size
+        self.part_digests: list[bytes] = []
+        self.crc = 0  # the CRC kinds' running value, of the part being hashed where the checksum is split
         self.hasher: Any = None
-        if checksum.kind in ("s3-multipart", "md5"):
-            self.hasher = hashlib.md5()
-        elif checksum.kind == "git-sha1":
-            self.hasher = hashlib.sha1(f"blob {size}\0".encode())
-        elif checksum.kind not in _CRCS:
-            self.hasher = hashlib.new(checksum.kind)
+        self.part_left = self.part_fed = 0
+        self._start_part()
+
+    def _start_part(self) -> None:
+        self.crc, self.part_fed = 0, 0
+        if self.checksum.parts:
+            index = len(self.part_digests)
+            self.part_left = self.checksum.parts[index][0] if index < len(self.checksum.parts) else self.size
+        else:
+            self.part_left = self.checksum.part_size
+        if self.algorithm == "git-sha1":
+            self.hasher = hashlib.sha1(f"blob {self.size}\0".encode())
+        elif self.algorithm not in _CRCS:
+            self.hasher = hashlib.new(self.algorithm)
 
     def update(self, data: memoryview) -> None:
-        kind = self.checksum.kind
-        if kind in _CRCS:
-            self.crc = _CRCS[kind](data, self.crc)
-            return
-        if kind != "s3-multipart":
-            self.hasher.update(data)
+        if not self.split:
+            self._feed(data)
             return
         while data:
             taken, data = data[: self.part_left], data[self.part_left :]
-            self.hasher.update(taken)
+            self._feed(taken)
             self.part_left -= len(taken)
             if self.part_left == 0:
                 self._next_part()
 
+    def _feed(self, data: memoryview) -> None:
+        if self.algorithm in _CRCS:
+            self.crc = _CRCS[self.algorithm](data, self.crc)
+        else:
+            self.hasher.update(data)
+        self.part_fed += len(data)
+
+    def can_combine(self, length: int) -> bool:
+        """Whether ``length`` bytes more can be taken by their CRC: a split checksum's must end in one part."""
+        return self.algorithm in _CRCS and (not self.split or length <= self.part_left)
+
     def combine(self, crc: int, length: int) -> None:
         """The CRC of ``length`` bytes more, taken as they arrived."""
-        self.crc = _COMBINE[self.checksum.kind](self.crc, crc, length)
+        self.crc = _COMBINE[self.algorithm](self.crc, crc, length)
+        self.part_fed += length
+        if self.split:
+            self.part_left -= length
+            if self.part_left == 0:
+                self._next_part()
+
+    def _digest(self) -> bytes:
+        if self.algorithm in _CRCS:
+            return self.crc.to_bytes(_CRC_BYTES[self.algorithm], "big")
+        return bytes(self.hasher.digest())
 
     def _next_part(self) -> None:
-        self.part_digests.append(self.hasher.digest())
-        self.hasher, self.part_left = hashlib.md5(), self.checksum.part_size
+        self.part_digests.append(self._digest())
+        self._start_part()
 
     def value(self) -> str:
-        kind = self.checksum.kind
-        if kind in _CRCS:
-            return self.crc.to_bytes(_CRC_BYTES[kind], "big").hex()
-        if kind != "s3-multipart":
-            return str(self.hasher.hexdigest())
-        if self.part_left != self.checksum.part_size or not self.part_digests:
+        if not self.split:
+            return self._digest().hex()
+        if self.part_fed or not self.part_digests:
             self._next_part()
-        return f"{hashlib.md5(b''.join(self.part_digests)).hexdigest()}-{len(self.part_digests)}"
+        if self.checksum.kind == "s3-multipart":
+            return f"{hashlib.md5(b''.join(self.part_digests)).hexdigest()}-{len(self.part_digests)}"
+        return composite_value(self.algorithm, self.part_digests)
+
+    def problem(self) -> str | None:
+        """What differs from the checksum, once every byte is fed; None if nothing."""
+        got, checksum = self.value(), self.checksum
+        if got == checksum.value:
+            return None
+        said = f"{checksum.kind} {got}, the source says {checksum.value}"
+        listed = [value for _, value in checksum.parts]
+        found = [digest.hex() for digest in self.part_digests]
+        differs = next((i for i, (a, b) in enumerate(zip(found, listed, strict=False)) if a != b), None)
+        if differs is not None:
+            said += f" (part {differs + 1} of {len(listed)} differs: {found[differs]}, the source's {listed[differs]})"
+        return said
 
 
 class Digest:
@@ -115,7 +164,7 @@ class Digest:
             if parts:
                 index, into = divmod(self.offset, part_size)
                 end = min((index + 1) * part_size, self.file.size)
-                if into == 0 and index in parts and end <= upto:
+                if into == 0 and index in parts and end <= upto and self._hash.can_combine(end - self.offset):
                     self._hash.combine(parts[index], end - self.offset)
                     self.offset = end
                     continue
@@ -138,9 +187,8 @@ class Digest:
             self.feed(fd, size)
         except EOFError as error:
             return str(error), None
-        if self._hash is not None and (got := self._hash.value()) != self._hash.checksum.value:
-            checksum = self._hash.checksum
-            return f"{file.path}: {checksum.kind} {got}, the source says {checksum.value}", None
+        if self._hash is not None and (problem := self._hash.problem()) is not None:
+            return f"{file.path}: {problem}", None
         if file.path.endswith(".safetensors"):
             problem = safetensors_problem(fd, size)
             if problem is not None:
