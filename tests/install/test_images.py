@@ -1,0 +1,99 @@
+"""The four Dockerfiles build unchanged against python:3.11-slim-bookworm, and each image carries what its label says
+and no more than its extra needs."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.install.conftest import Images
+from tests.install.engine import BASE, PROGRAMS, ROOT, Podman, run_once
+
+COMMANDS_LABEL = "io.spotdrain.commands"
+# What each image installs: Dockerfile.<program>'s `pip install '.[extra]'`.
+EXTRAS = {"agent": "node", "sidecar": None, "gateway": "gateway", "webhook": "webhook"}
+CACHE_TOOLS = ("mdadm", "mkfs.xfs", "mkfs.ext4", "blkid", "lsblk", "mount")
+CACHE_PACKAGES = ("mdadm", "xfsprogs", "e2fsprogs", "util-linux", "mount")
+
+
+def commands(podman: Podman, images: Images, program: str) -> list[str]:
+    labels = podman.inspect(images(program).tag).get("Labels") or {}
+    assert isinstance(labels, dict)
+    return str(labels.get(COMMANDS_LABEL, "")).split()
+
+
+def distribution(requirement: str) -> str:
+    """A requirement's distribution name, normalized as PEP 503 does."""
+    name = re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_the_dockerfile_builds_a_non_root_image_that_names_its_commands(
+    podman: Podman, images: Images, program: str
+) -> None:
+    assert images.user(program) == "65532:65532"
+    assert commands(podman, images, program), f"Dockerfile.{program} sets no {COMMANDS_LABEL} label"
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_each_command_the_image_names_answers_help_as_its_user_on_a_read_only_root(
+    podman: Podman, images: Images, program: str
+) -> None:
+    for command in commands(podman, images, program):
+        options = ["--read-only", "--read-only-tmpfs=false", "--cap-drop=ALL", "--entrypoint", "spotdrain"]
+        done = run_once(podman, options, images(program).tag, command, "--help")
+        assert done.returncode == 0, f"spotdrain {command} --help in the {program} image:\n{done.stderr}"
+        assert done.stdout.startswith(f"usage: spotdrain {command}"), done.stdout
+
+
+def test_the_agent_image_has_the_cache_tools_from_bookworm(podman: Podman, images: Images) -> None:
+    script = (
+        ". /etc/os-release && echo $VERSION_CODENAME"
+        + "".join(f" && command -v {tool}" for tool in CACHE_TOOLS)
+        + f" && dpkg-query -W -f '${{Package}} ${{Version}}\\n' {' '.join(CACHE_PACKAGES)}"
+    )
+    done = run_once(podman, ["--entrypoint", "sh"], images("agent").tag, "-c", script)
+    assert done.returncode == 0, f"a cache tool is missing from the agent image:\n{done.stdout}{done.stderr}"
+    codename, *lines = done.stdout.splitlines()
+    assert codename == "bookworm"
+    assert [Path(line).name for line in lines[: len(CACHE_TOOLS)]] == list(CACHE_TOOLS)
+    versions = dict(line.split(" ", 1) for line in lines[len(CACHE_TOOLS) :])
+    assert sorted(versions) == sorted(CACHE_PACKAGES)
+    # bookworm's xfsprogs is 6.1 (trixie's 6.13): the version the cache's tests on loop devices run with on Debian 12.
+    assert versions["xfsprogs"].startswith("6.1."), versions
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_the_image_installs_its_extra_and_no_other(podman: Podman, images: Images, program: str) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras: dict[str, list[str]] = project["optional-dependencies"]
+    own = {distribution(r) for r in [*project["dependencies"], *extras.get(EXTRAS[program] or "", [])]}
+    others = {distribution(r) for name, reqs in extras.items() if name != EXTRAS[program] for r in reqs}
+    others -= own | {"spotdrain"}  # the test extra names the project itself
+    listing = "import importlib.metadata as m, json; print(json.dumps([d.metadata['Name'] for d in m.distributions()]))"
+    done = run_once(podman, ["--entrypoint", "python3"], images(program).tag, "-c", listing)
+    assert done.returncode == 0, done.stderr
+    installed = {distribution(name) for name in json.loads(done.stdout)}
+    assert own - {"spotdrain"} <= installed
+    assert not installed & others, f"the {program} image installs other extras' {sorted(installed & others)}"
+
+
+def test_the_build_context_holds_the_sources_only(podman: Podman, tmp_path: Path) -> None:
+    """What .dockerignore lets into the context, as podman reads it: a Dockerfile that copies the whole context."""
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(f"FROM {BASE}\nCOPY . /context\n")
+    tag = "localhost/spotdrain-e2e-context:e2e"
+    podman.run("build", "--pull=never", "-f", str(dockerfile), "-t", tag, str(ROOT), timeout_s=300)
+    try:
+        done = run_once(podman, ["--entrypoint", "ls"], tag, "-A", "/context")
+    finally:
+        podman.run("rmi", "-f", tag, check=False)
+    assert done.returncode == 0, done.stderr
+    copied = set(done.stdout.split())
+    assert {"pyproject.toml", "README.md", "spotdrain", "agent", "sidecar", "gateway", "webhook"} <= copied
+    assert not copied & {".venv", ".git", "tests", "docs", "deploy", "build", "spotdrain.egg-info"}, copied
