@@ -10,6 +10,11 @@ What the API server cannot take from a dry run is made for real first: the CRDs 
 folder), and the namespaces the objects go in. A dry-run create of a Namespace does not make it, and a namespaced
 object whose namespace is not there is refused (NamespaceLifecycle admission), so a rendering's own Namespace objects
 are created for real, and those it expects the user to provide (deploy/PLACEHOLDERS.md) are made as the cluster's.
+
+The session's plane runs without the ServiceAccount admission plugin, which judges Pods alone
+(plugin/pkg/admission/serviceaccount/admission.go, ``shouldIgnore``); a rendering holds workloads, never a Pod. Its
+administrator is in system:masters, as a user applying the manifests would be a cluster administrator, so RBAC's
+escalation check lets it create any Role or binding.
 """
 
 from __future__ import annotations
