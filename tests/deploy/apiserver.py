@@ -20,6 +20,7 @@ escalation check lets it create any Role or binding.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -78,11 +79,16 @@ def as_applied(obj: Obj) -> Obj:
 
 
 def _warnings(answer: httpx.Response) -> list[str]:
-    # RFC 7234 warn-value as the API server writes it: 299 - "text" (k8s.io/apiserver/pkg/warning).
+    # RFC 7234 warn-values as the API server writes them: 299 - "text", a quoted-string with backslash escapes
+    # (NewWarningHeader, k8s.io/apimachinery/pkg/util/net/http.go).
     texts = []
     for value in answer.headers.get_list("warning"):
         code, _, rest = value.partition(" - ")
-        texts.append(rest.strip().strip('"') if code == "299" else value)
+        quoted = rest.strip()
+        if code == "299" and len(quoted) > 1 and quoted[0] == quoted[-1] == '"':
+            texts.append(re.sub(r"\\(.)", r"\1", quoted[1:-1]))
+        else:
+            texts.append(value)
     return texts
 
 

@@ -65,3 +65,15 @@ def test_a_dashboard_too_big_for_kubectl_apply_is_refused(dry_run_server: DryRun
     dashboard["data"][key] += " " * 300_000
     (refused,) = dry_run_server.submit([dashboard]).refused
     assert "metadata.annotations: Too long: may not be more than 262144 bytes" in refused
+
+
+def test_a_warning_kubectl_would_print_is_reported(dry_run_server: DryRunServer) -> None:
+    daemonset = copy.deepcopy(one(render(PREFETCH), "DaemonSet", "spotdrain-node"))
+    # Deprecated since 1.14: accepted with a warning (pkg/api/pod/warnings.go, GetWarningsForPodTemplate).
+    daemonset["spec"]["template"]["spec"]["nodeSelector"] = {"beta.kubernetes.io/arch": "amd64"}
+    answer = dry_run_server.submit([daemonset])
+    assert answer.refused == []
+    assert answer.warnings == [
+        "DaemonSet spotdrain/spotdrain-node: spec.template.spec.nodeSelector[beta.kubernetes.io/arch]: deprecated"
+        ' since v1.14; use "kubernetes.io/arch" instead'
+    ]
