@@ -26,7 +26,7 @@ test-engines: $(STAMP)
 	$(BIN)/python -m simulate.vllm install
 	SPOTDRAIN_ENGINE_TIER=1 $(BIN)/pytest tests/engines
 
-# The image tier: the four Dockerfiles built as they are (podman, in a store of its own under /var/tmp/spotdrain-e2e,
+# The image tier: the four Dockerfiles built as they are (podman, in a store of its own, /var/tmp/spotdrain-e2e/podman,
 # kept as the build cache) and each image run as the manifests run it. Where podman, runc or ../shared/images is
 # missing, its tests report skipped with the reason.
 test-e2e: $(STAMP)

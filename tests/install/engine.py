@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT.parent / "shared" / "images"  # where CI's clone finds the shared folder, as tests/control_plane.py does
 BASE_ARCHIVE = "python-3.11-slim-bookworm.tar.xz"
 BASE = "docker.io/library/python:3.11-slim-bookworm"
-STORE = Path(os.environ.get("SPOTDRAIN_E2E_STORE", "/var/tmp/spotdrain-e2e"))
+STORE = Path(os.environ.get("SPOTDRAIN_E2E_STORE", "/var/tmp/spotdrain-e2e/podman"))
 # Dockerfile.<program> builds ghcr.io/spotdrain/spotdrain-<program>.
 PROGRAMS = ("agent", "sidecar", "gateway", "webhook")
 REPOSITORY = "ghcr.io/spotdrain/spotdrain-"
