@@ -1,7 +1,8 @@
 """Every rendering a user may install is accepted by the real kube-apiserver: each object is sent to it as a
 server-side dry-run create, after the CRDs its custom kinds need and the namespaces it goes in. The API server
 validates what schemas do not express (the 15-character limit of a port name, the CEL of a
-ValidatingAdmissionPolicy, a webhook's client configuration) and runs its admission plugins."""
+ValidatingAdmissionPolicy, a webhook's client configuration) and runs its admission plugins; a refusal, or a warning
+kubectl would print, fails the rendering with the API server's message."""
 
 from __future__ import annotations
 
