@@ -19,10 +19,23 @@ SERVER = f"https://{network.API_HOST}:{network.API_PORT}"
 # What Deployments, DaemonSets, Services, budgets, evictions and the pods' kube-api-access volumes need. This tree
 # (OpenShift's) puts ConfigMap openshift-service-ca.crt in every kube-api-access volume, and only
 # service-ca-certificate-publisher makes it.
-CONTROLLERS = (
-    "serviceaccount,serviceaccount-token,root-ca-certificate-publisher,service-ca-certificate-publisher,"
-    "endpointslice,deployment,replicaset,daemonset,disruption,namespace,garbage-collector,node-lifecycle,"
-    "pod-garbage-collector"
+CONTROLLERS = ",".join(
+    f"{name}-controller"
+    for name in (
+        "serviceaccount",
+        "serviceaccount-token",
+        "root-ca-certificate-publisher",
+        "service-ca-certificate-publisher",
+        "endpointslice",
+        "deployment",
+        "replicaset",
+        "daemonset",
+        "disruption",
+        "namespace",
+        "garbage-collector",
+        "node-lifecycle",
+        "pod-garbage-collector",
+    )
 )
 
 
