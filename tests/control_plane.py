@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,27 +50,28 @@ def binaries_dir() -> Path:
     return Path(configured) if configured else ROOT.parent / "shared" / "kube"
 
 
-def missing_reason() -> str | None:
-    """Why the real control plane cannot run here, or None when it can."""
+def missing_reason(names: Sequence[str] = BINARIES) -> str | None:
+    """Why the real control plane (or the binaries ``names``) cannot run here, or None when it can."""
     source = binaries_dir()
-    absent = [name for name in BINARIES if not (source / f"{name}.xz").is_file()]
+    absent = [name for name in names if not (source / f"{name}.xz").is_file()]
     if absent:
         files = ", ".join(f"{name}.xz" for name in absent)
         return f"no {files} in {source} (the real Kubernetes control plane): set SPOTDRAIN_KUBE_BINARIES"
     return None
 
 
-def unpacked() -> Path:
-    """The uncompressed binaries in the cache, made on first use (atomically: a rename of a complete file)."""
+def unpacked(names: Sequence[str] = BINARIES) -> Path:
+    """The uncompressed binaries ``names`` in the cache, made on first use (atomically: a rename of a complete
+    file)."""
     source = binaries_dir()
     digest = hashlib.sha256()
-    for name in BINARIES:
+    for name in names:
         digest.update((source / f"{name}.xz").read_bytes())
     cache = (
         Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spotdrain-kube" / digest.hexdigest()[:16]
     )
     cache.mkdir(parents=True, exist_ok=True)
-    for name in BINARIES:
+    for name in names:
         target = cache / name
         if target.exists():
             continue

@@ -1,0 +1,229 @@
+"""The end-to-end tier's real nodes do what a user's cluster does for what the tier installs: a Deployment becomes
+Ready behind its readiness probe and is listed ready in its Service's EndpointSlice, a pod reaches the API server
+through the ``kubernetes`` Service with its own ServiceAccount token and the instance's IMDS with IMDSv2, a
+hostNetwork pod runs on the node's address, and a second node runs pods its pods can reach. Stopping leaves nothing
+on the machine. Each phase's time is printed at the end of the module."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.install import network, sweep
+from tests.install.node import PYTHON_IMAGE, STORE, Cluster, Unavailable, spot_node, stable_node
+
+SPOT = spot_node()
+STABLE = stable_node()
+TIMINGS: dict[str, float] = {}
+
+# Run in the pods by the stand-in image's Python: what a user's client does with the mounted ServiceAccount.
+WHO_AM_I = """
+import json, os, ssl, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
+token = open(f"{sa}/token").read()
+body = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}).encode()
+request = urllib.request.Request(
+    f"https://{host}:{port}/apis/authentication.k8s.io/v1/selfsubjectreviews",
+    data=body, method="POST",
+    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+context = ssl.create_default_context(cafile=f"{sa}/ca.crt")
+with urllib.request.urlopen(request, timeout=10, context=context) as answer:
+    print(json.dumps({"host": host, "user": json.load(answer)["status"]["userInfo"]["username"]}))
+"""
+IMDS_V2 = """
+import json, urllib.error, urllib.request
+base = "http://169.254.169.254/latest"
+put = urllib.request.Request(f"{base}/api/token", method="PUT",
+                             headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+token = urllib.request.urlopen(put, timeout=5).read().decode()
+get = urllib.request.Request(f"{base}/meta-data/instance-id", headers={"X-aws-ec2-metadata-token": token})
+instance = urllib.request.urlopen(get, timeout=5).read().decode()
+try:
+    v1 = urllib.request.urlopen(f"{base}/meta-data/instance-id", timeout=5).status
+except urllib.error.HTTPError as refused:
+    v1 = refused.code
+print(json.dumps({"instance": instance, "without_token": v1}))
+"""
+FETCH = """
+import json, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=10) as answer:
+    print(json.dumps({"status": answer.status}))
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    started = time.monotonic()
+    harness = Cluster([SPOT, STABLE])
+    try:
+        harness.__enter__()
+    except Unavailable as reason:
+        pytest.skip(f"no real node can run here because {reason}")
+    try:
+        TIMINGS.update({f"cluster: {name}": seconds for name, seconds in harness.timings.items()})
+        harness.node(SPOT.name).start_imds()
+        harness.attach_loop(64 << 20)  # that the stop detaches it is checked below
+        yield harness
+    finally:
+        step = time.monotonic()
+        harness.__exit__(None, None, None)
+        TIMINGS["cluster stopped"] = time.monotonic() - step
+        TIMINGS["module in all"] = time.monotonic() - started
+        report(request.config)
+    left = sweep.leftovers(STORE, harness.loops)
+    assert not left, f"the stopped cluster left {left}"
+
+
+def report(config: pytest.Config) -> None:
+    """Print each phase's time past the output capture, as pytest's own live logging does."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line("")
+        for name, seconds in TIMINGS.items():
+            reporter.write_line(f"[e2e node] {name}: {seconds:.1f} s")
+
+
+def on(node: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Pod spec fields that put a pod on ``node`` by its capacity type, as a user's nodeSelector would."""
+    labels = {"karpenter.sh/capacity-type": SPOT.labels["karpenter.sh/capacity-type"]}
+    if node == STABLE.name:
+        labels = {"karpenter.sh/capacity-type": STABLE.labels["karpenter.sh/capacity-type"]}
+    return {"nodeSelector": labels, **(extra or {})}
+
+
+def server(port: int) -> dict[str, Any]:
+    return {
+        "name": "web",
+        "image": PYTHON_IMAGE,
+        "command": ["python3", "-m", "http.server", str(port)],
+        "readinessProbe": {"httpGet": {"path": "/", "port": port}, "periodSeconds": 1},
+    }
+
+
+def script_pod(name: str, node: str, script: str, *args: str, host_network: bool = False) -> dict[str, Any]:
+    container = {"name": "run", "image": PYTHON_IMAGE, "command": ["python3", "-c", script, *args]}
+    spec = on(node, {"restartPolicy": "Never", "containers": [container], "hostNetwork": host_network})
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def apply(cluster: Cluster, *objects: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+
+
+def finished(cluster: Cluster, name: str, phase_name: str) -> dict[str, Any]:
+    """The JSON the pod ``name`` printed once it Succeeded; fails with its logs if it Failed."""
+    started = time.monotonic()
+
+    def done() -> dict[str, Any] | None:
+        pod = cluster.get("pod", name)
+        phase = pod["status"].get("phase")
+        assert phase != "Failed", cluster.kubectl("logs", name, check=False)
+        return pod if phase == "Succeeded" else None
+
+    pod = cluster.wait_for(f"pod {name} Succeeded", done, within_s=60)
+    TIMINGS[phase_name] = time.monotonic() - started
+    assert pod["spec"]["nodeName"] in (SPOT.name, STABLE.name)
+    printed: dict[str, Any] = json.loads(cluster.kubectl("logs", name).strip().splitlines()[-1])
+    return {"node": pod["spec"]["nodeName"], "ip": pod["status"].get("podIP"), **printed}
+
+
+def ready_pod(cluster: Cluster, selector: str) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        pods: list[dict[str, Any]] = cluster.get("pods", "-l", selector)["items"]
+        for pod in pods:
+            conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+            if conditions.get("Ready") == "True":
+                return pod
+        return None
+
+    found: dict[str, Any] = cluster.wait_for(f"a Ready pod of {selector}", ready, within_s=60)
+    return found
+
+
+def test_both_nodes_register_as_the_provisioner_made_them(cluster: Cluster) -> None:
+    for spec in (SPOT, STABLE):
+        node = cluster.get("node", spec.name)
+        assert node["spec"]["providerID"] == spec.provider_id
+        assert spec.labels.items() <= node["metadata"]["labels"].items()
+        addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
+        assert addresses["InternalIP"] == cluster.node(spec.name).address
+
+
+@pytest.fixture(scope="module")
+def web(cluster: Cluster) -> dict[str, Any]:
+    """A Deployment of ``python3 -m http.server`` behind a readiness probe on the Spot node, and its Service; its
+    Ready pod."""
+    started = time.monotonic()
+    labels = {"app": "web"}
+    template = {"metadata": {"labels": labels}, "spec": on(SPOT.name, {"containers": [server(8080)]})}
+    spec = {"replicas": 1, "selector": {"matchLabels": labels}, "template": template}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"}, "spec": spec}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}}
+    service["spec"] = {"selector": labels, "ports": [{"port": 80, "targetPort": 8080}]}
+    apply(cluster, deployment, service)
+    pod = ready_pod(cluster, "app=web")
+    TIMINGS["Deployment's pod Ready"] = time.monotonic() - started
+    return pod
+
+
+def test_a_deployment_becomes_ready_on_the_spot_node_and_its_slice_lists_it(
+    cluster: Cluster, web: dict[str, Any]
+) -> None:
+    assert web["spec"]["nodeName"] == SPOT.name
+    assert web["status"]["podIP"].startswith("10.214.0.")
+
+    def listed() -> list[dict[str, Any]]:
+        slices = cluster.get("endpointslices", "-l", "kubernetes.io/service-name=web")["items"]
+        return [e for s in slices for e in s.get("endpoints") or [] if e["addresses"] == [web["status"]["podIP"]]]
+
+    endpoints = cluster.wait_for("the pod in the Service's EndpointSlice", listed, within_s=30)
+    assert endpoints[0]["conditions"]["ready"] is True
+    assert endpoints[0]["nodeName"] == SPOT.name
+
+
+def test_a_pod_reaches_the_api_server_through_the_kubernetes_service_with_its_token(cluster: Cluster) -> None:
+    apply(cluster, script_pod("who-am-i", SPOT.name, WHO_AM_I))
+    printed = finished(cluster, "who-am-i", "pod ran and reached the API server")
+    assert printed["host"] == network.KUBERNETES_SERVICE
+    assert printed["user"] == "system:serviceaccount:default:default"
+    assert printed["ip"].startswith("10.214.0.")
+
+
+def test_a_pod_reaches_the_nodes_imds_with_a_token_and_is_refused_without(cluster: Cluster) -> None:
+    apply(cluster, script_pod("imds", SPOT.name, IMDS_V2))
+    printed = finished(cluster, "imds", "pod ran and reached IMDS")
+    assert printed["instance"] == SPOT.provider_id.rpartition("/")[2]
+    assert printed["without_token"] == 401
+
+
+def test_a_host_network_pod_runs_on_the_nodes_address_and_reaches_the_api_server(cluster: Cluster) -> None:
+    apply(cluster, script_pod("host-who-am-i", SPOT.name, WHO_AM_I, host_network=True))
+    printed = finished(cluster, "host-who-am-i", "hostNetwork pod ran")
+    assert printed["ip"] == cluster.node(SPOT.name).address
+    assert printed["user"] == "system:serviceaccount:default:default"
+
+
+def test_the_stable_node_runs_pods_that_reach_the_api_server(cluster: Cluster) -> None:
+    apply(cluster, script_pod("stable-who-am-i", STABLE.name, WHO_AM_I))
+    printed = finished(cluster, "stable-who-am-i", "pod on the stable node ran")
+    assert printed["node"] == STABLE.name
+    assert printed["ip"].startswith("10.214.1.")
+    assert printed["user"] == "system:serviceaccount:default:default"
+
+
+def test_a_pod_on_the_stable_node_reaches_a_pod_on_the_spot_node(cluster: Cluster, web: dict[str, Any]) -> None:
+    if Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() != "1":
+        pytest.skip("pods on two nodes reach each other through the host's forwarding, which is off here")
+    apply(cluster, script_pod("across", STABLE.name, FETCH, f"http://{web['status']['podIP']}:8080/"))
+    printed = finished(cluster, "across", "pod across nodes ran")
+    assert printed["node"] == STABLE.name
+    assert printed["status"] == 200
