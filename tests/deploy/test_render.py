@@ -21,6 +21,7 @@ from tests.deploy.manifests import (
     kustomizations,
     named,
     one,
+    pod_templates,
     render,
     renderings,
 )
@@ -103,5 +104,20 @@ def test_the_agent_image_installs_the_node_extra_and_the_cache_steps_disk_tools(
     for package in ("xfsprogs", "e2fsprogs", "mdadm", "util-linux"):
         assert f" {package}" in dockerfile
     assert 'ENTRYPOINT ["spotdrain"]' in dockerfile
-    # Root only for the privileged cache step; the manifests run the agent itself as 65532.
-    assert "\nUSER " not in dockerfile
+    # Not root by default: the containers that need it ask for uid 0 themselves (the next test).
+    assert "\nUSER 65532:65532\n" in dockerfile
+
+
+@pytest.mark.parametrize("rendering", renderings())
+def test_every_container_of_a_spotdrain_image_says_which_user_it_runs_as(rendering: str) -> None:
+    # The images' USER is 65532: a container that needs root (the privileged cache step, those writing the model
+    # cache as its owner) runs as 65532 unless it asks for uid 0.
+    for template in pod_templates(render(rendering)):
+        pod_user = (template.spec.get("securityContext") or {}).get("runAsUser")
+        for container in template.spec.get("initContainers", []) + template.containers:
+            if not container["image"].startswith("ghcr.io/spotdrain/"):
+                continue
+            context = container.get("securityContext") or {}
+            user = context.get("runAsUser", pod_user)
+            assert user is not None, f"{template.name} container {container['name']}"
+            assert not context.get("privileged") or user == 0, f"{template.name} container {container['name']}"
