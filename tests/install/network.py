@@ -101,7 +101,7 @@ def remove(name: str) -> None:
 
 def missing_reason() -> str | None:
     """Why no node network can be made here, or None when it can."""
-    probe = f"{PREFIX}probe"
+    probe = f"{LINK_PREFIX}probe"  # not PREFIX: a running sweep would take it for its own
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=TIMEOUT_S)
     if made.returncode != 0:
         return f"no network namespace can be made here: {made.stderr.strip()}"

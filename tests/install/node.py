@@ -1,14 +1,21 @@
-"""Real Kubernetes nodes for the end-to-end tier: ``with Cluster([spot_node(), stable_node()]) as cluster:`` starts
+"""Real Kubernetes nodes for the end-to-end tier. ``with Cluster([spot_node(), stable_node()]) as cluster:`` starts
 the control plane (``tests.install.plane``) and, for each node, a network namespace (``tests.install.network``)
-running containerd (``tests.install.runtime``) and the kubelet, registered with the labels, taints and providerID
-the caller gives. Pods run for real: runc containers on a CNI bridge, ServiceAccount tokens, readiness probes,
-EndpointSlices. Leaving the block stops it all as ``../shared/kube/README.md`` says and leaves nothing behind
-(``tests.install.sweep``).
+running containerd (``tests.install.runtime``) and the kubelet (``tests.install.kubelet``), registered with the
+labels, taints and providerID its ``NodeSpec`` gives; the block runs once every node is Ready and the ``default``
+namespace can hold pods. Pods run for real: runc containers on a CNI bridge, ServiceAccount tokens, probes,
+EndpointSlices, ``kubectl logs``. Leaving the block stops it all as ``../shared/kube/README.md`` says and leaves
+nothing behind (``tests.install.sweep``); entering raises ``Unavailable`` with the reason where it cannot run.
+
+In the block: ``cluster.kubeconfig`` (the administrator's), ``cluster.kubectl(*args)``, ``cluster.get(...)``,
+``cluster.import_image(archive)`` into every node, ``cluster.node(name)`` with ``.address``, ``.run(argv, log=)``
+in its network namespace and ``.start_imds()``, ``cluster.attach_loop(size)``, ``cluster.namespace_ready(name)``,
+``cluster.wait_for(what, probe)`` and ``cluster.timings``.
 
 Binaries are unpacked once into ``~/.cache/spotdrain-kube`` (``tests.control_plane``); the sandbox image, the
-stand-in Python image's tar and each node's containerd root (the imported images) are kept in
-``$SPOTDRAIN_E2E_STORE/node`` (``/var/tmp/spotdrain-e2e/node``) between runs. One run at a time holds the machine's
-addresses: a second waits for the first's lock. ``missing_reason()`` says why none can run here.
+stand-in Python image's tar and each node's containerd root (its images) are kept between runs in
+``/var/tmp/spotdrain-e2e/node`` (``SPOTDRAIN_E2E_NODE_STORE`` moves it), and the last run's logs in its ``run``
+folder until the next run. The nodes' addresses are fixed, so one run at a time holds them: another waits for its
+lock.
 """
 
 from __future__ import annotations
@@ -38,12 +45,13 @@ from tests.install.pki import Authority
 __all__ = ["Cluster", "NodeSpec", "Unavailable", "missing_reason", "spot_node", "stable_node"]
 
 ROOT = Path(__file__).resolve().parents[2]
-STORE = Path(os.environ.get("SPOTDRAIN_E2E_STORE", "/var/tmp/spotdrain-e2e")) / "node"
+STORE = Path(os.environ.get("SPOTDRAIN_E2E_NODE_STORE", "/var/tmp/spotdrain-e2e/node"))
 IMAGES = ROOT.parent / "shared" / "images"  # where CI's clone finds the shared folder, as tests/control_plane.py does
 PYTHON_ARCHIVE = "python-3.11-slim-bookworm.tar.xz"
 PYTHON_IMAGE = "docker.io/library/python:3.11-slim-bookworm"
 READY_WITHIN_S = 90.0
-LOCK_WITHIN_S = 900.0  # a whole tier's run
+LOCK_WITHIN_S = 900.0
+_RUNNING: list[Cluster] = []  # a whole tier's run
 TOOLS = ("curl", "containerd", "runc", "ctr", "kubectl", "nsenter", "iptables", "ip", "losetup", "busybox", "ldd")
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
 
@@ -79,7 +87,6 @@ class Cluster:
         self.loops: list[str] = []
         self._progress = progress
         self._lock: TextIO | None = None
-        self._made: list[Path] = []
 
     @property
     def kubeconfig(self) -> Path:
@@ -142,6 +149,9 @@ class Cluster:
         if reason is not None:
             raise Unavailable(reason)
         STORE.mkdir(parents=True, exist_ok=True)
+        if _RUNNING:
+            # the lock is per open file: a second Cluster here would wait for the first for good
+            raise RuntimeError("a Cluster is already running in this process: share it")
         self._lock = (STORE / "lock").open("w")
         give_up = time.monotonic() + LOCK_WITHIN_S
         while True:
@@ -153,6 +163,7 @@ class Cluster:
                     self._lock.close()
                     raise Unavailable(f"another run has held {STORE / 'lock'} for {LOCK_WITHIN_S} s") from None
                 time.sleep(1)
+        _RUNNING.append(self)
         try:
             self._start()
         except BaseException:
@@ -166,14 +177,17 @@ class Cluster:
         self._stop()
 
     def _phase(self, name: str, started: float) -> None:
-        self.timings[name] = time.monotonic() - started
+        self._record(name, time.monotonic() - started)
+
+    def _record(self, name: str, seconds: float) -> None:
+        self.timings[name] = seconds
         if self._progress is not None:
             print(f"[e2e node] {name}: {self.timings[name]:.1f} s", file=self._progress, flush=True)
 
     def _start(self) -> None:
         started = time.monotonic()
         sweep.sweep(STORE)  # what a killed run left
-        self._made = [path for path in sweep.FIXED if not path.exists()]
+        sweep.note_fixed_paths(STORE)
         self.directory.mkdir(parents=True)
         bin_dir = control_plane.unpacked(plane.BINARIES)
         images = {runtime.SANDBOX_IMAGE: runtime.sandbox_archive(STORE), PYTHON_IMAGE: _python_tar()}
@@ -185,13 +199,14 @@ class Cluster:
         runtimes = [partial(node.start_runtime, STORE, images) for node in self.nodes]
 
         def control() -> None:
+            step = time.monotonic()
             self.plane = plane.start(self.directory, authority, bin_dir)
-            self._phase("control plane ready", started)
+            self._phase("control plane ready", step)
 
         _together([control, *runtimes])  # the images import while the API server starts
         for node in self.nodes:
             for name, seconds in node.timings.items():
-                self._phase(f"{node.spec.name}: {name}", time.monotonic() - seconds)
+                self._record(f"{node.spec.name}: {name}", seconds)
         step = time.monotonic()
         for node in self.nodes:
             node.start_kubelet(authority, bin_dir)
@@ -230,17 +245,19 @@ class Cluster:
             if node.socket.exists():
                 with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
                     runtime.remove_containers(node.socket)
+                    runtime.remove_images_except(node.socket, {runtime.SANDBOX_IMAGE, PYTHON_IMAGE})
             for process in reversed(node.processes):
                 sweep.stop_process(process)
         if self.plane is not None:
             self.plane.stop()
         for device in self.loops:
-            subprocess.run(["losetup", "-d", device], capture_output=True, timeout=30)
+            subprocess.run(["losetup", "--detach", device], capture_output=True, timeout=30)
         sweep.sweep(STORE, keep_logs=True)  # the logs stay for a failure's reader until the next run
-        for path in self._made:
-            shutil.rmtree(path, ignore_errors=True)
+        sweep.remove_fixed_paths(STORE)
         if self._lock is not None:
             self._lock.close()
+        if self in _RUNNING:
+            _RUNNING.remove(self)
 
 
 class Unavailable(Exception):

@@ -142,13 +142,25 @@ def remove_containers(socket: Path) -> None:
         )
 
 
+def remove_images_except(socket: Path, keep: set[str]) -> None:
+    """Remove every image but ``keep`` (containerd's garbage collection then frees their content): what a run
+    imported does not pile up in the root kept between runs."""
+    extra = sorted(image_names(socket) - keep)
+    if extra:
+        ctr(socket, "images", "remove", *extra)
+
+
 def sandbox_archive(cache: Path) -> Path:
-    """A docker-archive of the pods' sandbox image, made once in ``cache``: Debian's busybox and the libraries it
-    links, whose entrypoint sleeps until killed (nothing can be pulled here, and the stand-in Python image's CMD
-    exits at once without a terminal)."""
+    """A docker-archive of the pods' sandbox image, made once in ``cache``, whose entrypoint sleeps until killed
+    (nothing can be pulled here, and the stand-in Python image's CMD exits at once without a terminal)."""
     target = cache / "sandbox.tar"
-    if target.exists():
-        return target
+    if not target.exists():
+        busybox_archive(target, SANDBOX_IMAGE, ["/bin/busybox", "sleep", "2147483647"])
+    return target
+
+
+def busybox_archive(target: Path, tag: str, entrypoint: list[str]) -> Path:
+    """Write a docker-archive of an image ``tag`` holding Debian's busybox and the libraries it links."""
     busybox = Path(shutil.which("busybox") or "/bin/busybox")
     layer = io.BytesIO()
     with tarfile.open(fileobj=layer, mode="w") as tar:
@@ -166,12 +178,12 @@ def sandbox_archive(cache: Path) -> Path:
     image_config = {
         "architecture": "amd64",
         "os": "linux",
-        "config": {"Entrypoint": ["/bin/busybox", "sleep", "2147483647"]},
+        "config": {"Entrypoint": entrypoint},
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
     }
     config_bytes = json.dumps(image_config).encode()
-    manifest = [{"Config": "config.json", "RepoTags": [SANDBOX_IMAGE], "Layers": ["layer.tar"]}]
-    partial = cache / f".sandbox.{time.monotonic_ns()}"
+    manifest = [{"Config": "config.json", "RepoTags": [tag], "Layers": ["layer.tar"]}]
+    partial = target.with_name(f".{target.name}.{time.monotonic_ns()}")
     with tarfile.open(partial, mode="w") as tar:
         for name, data in [("layer.tar", layer_bytes), ("config.json", config_bytes)]:
             _add(tar, name, data)

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from tests.install import network
@@ -52,6 +51,8 @@ def sweep(store: Path, *, keep_logs: bool = False) -> None:
     run = store / "run"
     _kill(_leftover_pids(run))
     _unmount_under(store)
+    for device in _loops(store):
+        subprocess.run(["losetup", "--detach", device], capture_output=True, timeout=30)
     for name in network.namespaces():
         network.remove(name)
     for hierarchy in _hierarchies():
@@ -63,23 +64,46 @@ def sweep(store: Path, *, keep_logs: bool = False) -> None:
         shutil.rmtree(run, ignore_errors=True)
 
 
-def leftovers(store: Path, loops: Sequence[str] = ()) -> list[str]:
-    """What a run in ``store`` left on the machine: each process, mount, namespace, veth, cgroup tree and loop
-    device (of ``loops``) still there, described."""
+def note_fixed_paths(store: Path) -> None:
+    """Write down which of the fixed paths are not there yet (kept in ``store`` across a killed run)."""
+    noted = store / "fixed-paths-made"
+    absent = {str(path) for path in FIXED if not path.exists()}
+    if noted.exists():
+        absent |= set(noted.read_text().split())
+    noted.write_text("".join(f"{path}\n" for path in sorted(absent)))
+
+
+def remove_fixed_paths(store: Path) -> None:
+    """Remove the fixed paths a run made (nothing in them is mounted or running any more)."""
+    noted = store / "fixed-paths-made"
+    if noted.exists():
+        for path in noted.read_text().split():
+            shutil.rmtree(path, ignore_errors=True)
+        noted.unlink()
+
+
+def leftovers(store: Path) -> list[str]:
+    """What a run in ``store`` left on the machine: each process, mount, log link, namespace, veth, cgroup tree and
+    loop device still there, described."""
     found = [f"process {pid}: {_cmdline(pid)}" for pid in sorted(_leftover_pids(store / "run"))]
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        if line.split()[4].startswith(f"{store}/"):
-            found.append(f"mount {line.split()[4]}")
+    found += [f"mount {point}" for point in _mounts_under(store)]
     found += [f"log link {link}" for link in _log_links(store)]
     found += [f"network namespace {name}" for name in network.namespaces()]
     found += [f"link {link.name}" for link in Path("/sys/class/net").glob(f"{network.LINK_PREFIX}*")]
     for hierarchy in _hierarchies():
         found += [f"cgroup {root}" for root in hierarchy.glob(f"{network.PREFIX}*")]
-    attached = subprocess.run(
-        ["losetup", "--list", "--noheadings", "--output", "NAME"], capture_output=True, text=True, timeout=30
-    ).stdout.split()
-    found += [f"loop device {device}" for device in loops if device in attached]
+    found += [f"loop device {device}" for device in _loops(store)]
+    noted = store / "fixed-paths-made"
+    if noted.exists():
+        found += [f"path {path}" for path in noted.read_text().split() if Path(path).exists()]
     return found
+
+
+def _loops(store: Path) -> list[str]:
+    """The loop devices over files in ``store``."""
+    argv = ["losetup", "--list", "--noheadings", "--output", "NAME,BACK-FILE"]
+    listed = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in listed.splitlines() if f" {store}/" in line]
 
 
 def _log_links(store: Path) -> list[Path]:
@@ -135,14 +159,14 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def _mounts_under(store: Path) -> list[str]:
+    points = (line.split()[4].replace("\\040", " ") for line in Path("/proc/self/mountinfo").read_text().splitlines())
+    return [point for point in points if point.startswith(f"{store}/")]
+
+
 def _unmount_under(store: Path) -> None:
-    prefix = f"{store}/"
-    for _ in range(5):
-        points = []
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            point = line.split()[4].replace("\\040", " ")
-            if point.startswith(prefix):
-                points.append(point)
+    for _ in range(5):  # an unmount may uncover another mount at the same point
+        points = _mounts_under(store)
         if not points:
             return
         for point in sorted(points, key=len, reverse=True):

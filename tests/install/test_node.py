@@ -7,14 +7,16 @@ on the machine. Each phase's time is printed at the end of the module."""
 from __future__ import annotations
 
 import json
+import lzma
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.install import network, sweep
+from tests.install import network, runtime, sweep
 from tests.install.node import PYTHON_IMAGE, STORE, Cluster, Unavailable, spot_node, stable_node
 
 SPOT = spot_node()
@@ -76,7 +78,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         TIMINGS["cluster stopped"] = time.monotonic() - step
         TIMINGS["module in all"] = time.monotonic() - started
         report(request.config)
-    left = sweep.leftovers(STORE, harness.loops)
+    left = sweep.leftovers(STORE)
     assert not left, f"the stopped cluster left {left}"
 
 
@@ -227,3 +229,19 @@ def test_a_pod_on_the_stable_node_reaches_a_pod_on_the_spot_node(cluster: Cluste
     printed = finished(cluster, "across", "pod across nodes ran")
     assert printed["node"] == STABLE.name
     assert printed["status"] == 200
+
+
+def test_an_imported_image_reaches_every_node_and_runs_without_a_pull(cluster: Cluster, tmp_path: Path) -> None:
+    tag = f"localhost/spotdrain-e2e/imported:{uuid.uuid4().hex[:12]}"  # in no node's containerd yet
+    archive = runtime.busybox_archive(tmp_path / "imported.tar", tag, ["/bin/busybox", "echo"])
+    packed = tmp_path / "imported.tar.xz"
+    packed.write_bytes(lzma.compress(archive.read_bytes()))  # as podman save | xz gives it
+    started = time.monotonic()
+    cluster.import_image(packed)
+    TIMINGS["image imported into both nodes"] = time.monotonic() - started
+    for node in cluster.nodes:
+        assert tag in runtime.image_names(node.socket)
+    pod = script_pod("imported", STABLE.name, "")
+    pod["spec"]["containers"][0] |= {"image": tag, "command": None, "args": ["{}"], "imagePullPolicy": "Never"}
+    apply(cluster, pod)
+    assert finished(cluster, "imported", "pod of the imported image ran")["node"] == STABLE.name
