@@ -4,12 +4,11 @@ manifests run them. Collected only with SPOTDRAIN_E2E_TIER=1: it builds images, 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.install.engine import Built, Podman, Unavailable, build, open_store, prune_older_than
+from tests.install.engine import Built, Podman, Unavailable, build, open_store, prune
 
 collect_ignore_glob = [] if os.environ.get("SPOTDRAIN_E2E_TIER") == "1" else ["test_*.py"]
 
@@ -42,7 +41,6 @@ class Images:
 
 @pytest.fixture(scope="session")
 def podman() -> Iterator[Podman]:
-    started_at = time.time()
     try:
         podman = open_store()
     except Unavailable as reason:
@@ -51,7 +49,7 @@ def podman() -> Iterator[Podman]:
         yield podman
     finally:
         podman.remove_containers()
-        prune_older_than(podman, started_at)
+        prune(podman)
 
 
 @pytest.fixture(scope="session")

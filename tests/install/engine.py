@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -173,13 +174,27 @@ def trust_mounts(directory: Path) -> list[str]:
     return ["-v", f"{directory}:/run/build-trust:ro", "-v", f"{directory / 'pip.conf'}:/etc/pip.conf:ro"]
 
 
+def build_file(
+    podman: Podman, dockerfile: Path, tag: str, context: Path = ROOT, *target: str
+) -> subprocess.CompletedProcess[str]:
+    """``podman build`` of one Dockerfile (to the stage ``--target`` names, if given), with the build cache and the
+    host's trust for pip."""
+    mounts = trust_mounts(podman.store / "build-trust")
+    args = ["build", "--pull=never", "--layers", *mounts, *target, "-f", str(dockerfile), "-t", tag, str(context)]
+    return podman.run(*args, timeout_s=BUILD_TIMEOUT_S, check=False)
+
+
 def build(podman: Podman, program: str) -> Built:
     """``podman build`` of Dockerfile.<program> from the checkout, as it is; an AssertionError with the build's
-    output where it fails."""
-    mounts = trust_mounts(podman.store / "build-trust")
+    output where it fails. Its ``build`` stage is tagged too, so that pruning the untagged images keeps it as the
+    next run's cache."""
     started = time.monotonic()
-    args = ["build", "--pull=never", "--layers", *mounts, "-f", f"Dockerfile.{program}", "-t", tag_of(program)]
-    done = podman.run(*args, str(ROOT), timeout_s=BUILD_TIMEOUT_S, check=False)
+    dockerfile = ROOT / f"Dockerfile.{program}"
+    done = None
+    if re.search(r"^FROM \S+ AS build$", dockerfile.read_text(), re.MULTILINE | re.IGNORECASE):
+        done = build_file(podman, dockerfile, f"{tag_of(program)}-build", ROOT, "--target", "build")
+    if done is None or done.returncode == 0:
+        done = build_file(podman, dockerfile, tag_of(program))
     if done.returncode != 0:
         raise AssertionError(f"Dockerfile.{program} does not build:\n{tail(done.stdout + done.stderr, 60)}")
     built = Built(program, tag_of(program), time.monotonic() - started)
@@ -188,10 +203,10 @@ def build(podman: Podman, program: str) -> Built:
     return built
 
 
-def prune_older_than(podman: Podman, started_at: float) -> None:
-    """Drop the untagged images earlier runs left (build stages, replaced images); this run's stay as its cache."""
-    until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at))
-    podman.run("image", "prune", "-f", "--filter", f"until={until}", timeout_s=300, check=False)
+def prune(podman: Podman) -> None:
+    """Drop the images no tag reaches any more (the build stages and images earlier runs replaced); the tagged ones
+    and their layers stay as the next run's cache."""
+    podman.run("image", "prune", "-f", timeout_s=300, check=False)
 
 
 def run_once(podman: Podman, options: Sequence[str], image: str, *args: str) -> subprocess.CompletedProcess[str]:

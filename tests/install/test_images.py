@@ -11,13 +11,20 @@ from pathlib import Path
 import pytest
 
 from tests.install.conftest import Images
-from tests.install.engine import BASE, PROGRAMS, ROOT, Podman, run_once
+from tests.install.engine import BASE, PROGRAMS, ROOT, Podman, build_file, run_once
 
 COMMANDS_LABEL = "io.spotdrain.commands"
 # What each image installs: Dockerfile.<program>'s `pip install '.[extra]'`.
 EXTRAS = {"agent": "node", "sidecar": None, "gateway": "gateway", "webhook": "webhook"}
 CACHE_TOOLS = ("mdadm", "mkfs.xfs", "mkfs.ext4", "blkid", "lsblk", "mount")
 CACHE_PACKAGES = ("mdadm", "xfsprogs", "e2fsprogs", "util-linux", "mount")
+# A base with Debian's own Python 3.11 in /usr and none in /usr/local: the build stage's prefix, copied to /usr/local,
+# lands where no Python looks, and `spotdrain`'s #! names an interpreter that is not there.
+OTHER_LAYOUT = "localhost/spotdrain-e2e-debian-python:e2e"
+OTHER_LAYOUT_DOCKERFILE = f"""FROM {BASE}
+RUN apt-get update && apt-get install -y --no-install-recommends python3-minimal \\
+    && rm -rf /var/lib/apt/lists/* /usr/local/bin/python* /usr/local/lib/python3.11 /usr/local/lib/libpython*
+"""
 
 
 def commands(podman: Podman, images: Images, program: str) -> list[str]:
@@ -81,6 +88,29 @@ def test_the_image_installs_its_extra_and_no_other(podman: Podman, images: Image
     installed = {distribution(name) for name in json.loads(done.stdout)}
     assert own - {"spotdrain"} <= installed
     assert not installed & others, f"the {program} image installs other extras' {sorted(installed & others)}"
+
+
+@pytest.fixture(scope="module")
+def other_layout(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> str:
+    directory = tmp_path_factory.mktemp("other-layout")
+    (directory / "Dockerfile").write_text(OTHER_LAYOUT_DOCKERFILE)
+    done = build_file(podman, directory / "Dockerfile", OTHER_LAYOUT, directory)
+    assert done.returncode == 0, done.stderr
+    return OTHER_LAYOUT
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_final_stage_on_a_base_without_the_official_layout_fails_the_build(
+    podman: Podman, images: Images, other_layout: str, tmp_path: Path, program: str
+) -> None:
+    images(program)  # its build stage, cached
+    lines = (ROOT / f"Dockerfile.{program}").read_text().splitlines()
+    final = max(i for i, line in enumerate(lines) if line.startswith("FROM "))
+    lines[final] = f"FROM {other_layout}"
+    (tmp_path / "Dockerfile").write_text("\n".join(lines) + "\n")
+    done = build_file(podman, tmp_path / "Dockerfile", f"localhost/spotdrain-e2e-other-layout-{program}:e2e")
+    assert done.returncode != 0, f"Dockerfile.{program} builds an image on a base whose Python is not in /usr/local"
+    assert 'building at STEP "RUN spotdrain' in done.stderr, done.stderr
 
 
 def test_the_build_context_holds_the_sources_only(podman: Podman, tmp_path: Path) -> None:
