@@ -117,10 +117,15 @@ class Node:
         step = time.monotonic()
         self.run(["containerd", "--config", str(config)], log="containerd.log")
         runtime.wait_serving(self.socket, self.directory / "containerd.log")
+        # which archive each kept image came from: one whose archive changed is imported again
+        imported = root / "imported.json"
+        sources: dict[str, str] = json.loads(imported.read_text()) if imported.exists() else {}
         present = runtime.image_names(self.socket)
         for image, archive in images.items():
-            if image not in present:
+            if image not in present or sources.get(image) != str(archive):
                 runtime.import_image(self.socket, archive)
+                sources[image] = str(archive)
+        imported.write_text(json.dumps(sources))
         self.timings["containerd with images"] = time.monotonic() - step
 
     def start_kubelet(self, authority: Authority, bin_dir: Path) -> None:
