@@ -31,11 +31,17 @@ class NodeSpec:
     provider_id: str = ""
 
 
-def spot_node(name: str = "ip-10-213-0-2.ec2.internal", instance_id: str = "i-0e2e000000000spot") -> NodeSpec:
-    """A GPU Spot node as Karpenter registers one (without the GPU: no device plugin runs)."""
+def spot_node(
+    name: str = "ip-10-213-0-2.ec2.internal", instance_id: str = "i-0e2e000000000spot", taints: Sequence[str] = ()
+) -> NodeSpec:
+    """A g5.xlarge Spot node with the labels Karpenter gives one (without the GPU itself: no device plugin runs),
+    which the agent's DaemonSet selects by ``karpenter.k8s.aws/instance-gpu-count``."""
     labels = {"karpenter.sh/capacity-type": "spot", "node.kubernetes.io/instance-type": "g5.xlarge"}
     labels |= {"topology.kubernetes.io/zone": "us-east-1a", "karpenter.sh/nodepool": "gpu-spot"}
-    return NodeSpec(name, labels, (), f"aws:///us-east-1a/{instance_id}")
+    labels |= {"karpenter.k8s.aws/instance-family": "g5", "karpenter.k8s.aws/instance-size": "xlarge"}
+    labels |= {"karpenter.k8s.aws/instance-gpu-count": "1", "karpenter.k8s.aws/instance-gpu-name": "a10g"}
+    labels |= {"karpenter.k8s.aws/instance-gpu-manufacturer": "nvidia"}
+    return NodeSpec(name, labels, tuple(taints), f"aws:///us-east-1a/{instance_id}")
 
 
 def stable_node(name: str = "ip-10-213-1-2.ec2.internal", instance_id: str = "i-0e2e00000000stable") -> NodeSpec:

@@ -122,6 +122,13 @@ class Cluster:
         self.loops.append(device)
         return device
 
+    def share(self, path: Path) -> Path:
+        """Make ``path`` (on the machine every node shares) a shared mount point, as the hostPath of a
+        ``mountPropagation: Bidirectional`` volume must be; it is unmounted, with whatever pods mounted under it,
+        when the cluster stops, and removed if this made it."""
+        sweep.share(STORE, path)
+        return path
+
     def wait_for(self, what: str, probe: Any, within_s: float = READY_WITHIN_S) -> Any:
         """Poll ``probe()`` until it returns something true; that, or TimeoutError naming ``what``."""
         give_up = time.monotonic() + within_s
@@ -217,13 +224,14 @@ class Cluster:
         self._phase("cluster up", started)
 
     def _all_ready(self) -> bool:
-        items = self.get("nodes")["items"]
-        ready = {
-            item["metadata"]["name"]
-            for item in items
-            for condition in item["status"].get("conditions", [])
-            if condition["type"] == "Ready" and condition["status"] == "True"
-        }
+        """Every node Ready, and untainted by the node lifecycle controller (whose not-ready taint outlives the
+        condition by a moment): as a provisioner's node is when its first pods are scheduled."""
+        ready = set()
+        for item in self.get("nodes")["items"]:
+            conditions = {c["type"]: c["status"] for c in item["status"].get("conditions", [])}
+            lifecycle = [t for t in item["spec"].get("taints", []) if t["key"].startswith("node.kubernetes.io/")]
+            if conditions.get("Ready") == "True" and not lifecycle:
+                ready.add(item["metadata"]["name"])
         for node in self.nodes:
             for process in node.processes:
                 if process.poll() is not None:
@@ -254,7 +262,7 @@ class Cluster:
         for device in self.loops:
             subprocess.run(["losetup", "--detach", device], capture_output=True, timeout=30)
         sweep.sweep(STORE, keep_logs=True)  # the logs stay for a failure's reader until the next run
-        sweep.remove_fixed_paths(STORE)
+        sweep.remove_made_paths(STORE)
         if self._lock is not None:
             self._lock.close()
         if self in _RUNNING:

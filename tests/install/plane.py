@@ -111,5 +111,6 @@ def _controller_flags(kubeconfig: Path, plane: ControlPlane) -> list[str]:
         f"--root-ca-file={plane.ca_path}",
         "--use-service-account-credentials=true",
         "--node-monitor-grace-period=50s",
+        "--node-monitor-period=1s",  # the not-ready taint of a node that just became Ready goes 1 s later, not 5
         f"--controllers={CONTROLLERS}",
     ]

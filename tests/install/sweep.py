@@ -21,6 +21,8 @@ LOG_LINKS = Path("/var/log/containers")
 # Paths the kubelet and containerd use whatever their directories (../shared/kube/README.md): removed after a run
 # that made them.
 FIXED = (Path("/var/lib/kubelet"), Path("/run/containerd"), LOG_LINKS)
+MADE = "paths-made"  # in the store: the paths a run made, removed when it stops
+SHARED = "shared-mounts"  # in the store: the paths a run made shared mount points
 
 
 def stop_process(process: subprocess.Popen[bytes], within_s: float = 10.0) -> None:
@@ -51,6 +53,9 @@ def sweep(store: Path, *, keep_logs: bool = False) -> None:
     run = store / "run"
     _kill(_leftover_pids(run))
     _unmount_under(store)
+    for shared in _noted(store, SHARED):
+        _unmount_under(Path(shared), itself=True)
+    (store / SHARED).unlink(missing_ok=True)
     for device in _loops(store):
         subprocess.run(["losetup", "--detach", device], capture_output=True, timeout=30)
     for name in network.namespaces():
@@ -66,20 +71,36 @@ def sweep(store: Path, *, keep_logs: bool = False) -> None:
 
 def note_fixed_paths(store: Path) -> None:
     """Write down which of the fixed paths are not there yet (kept in ``store`` across a killed run)."""
-    noted = store / "fixed-paths-made"
-    absent = {str(path) for path in FIXED if not path.exists()}
-    if noted.exists():
-        absent |= set(noted.read_text().split())
-    noted.write_text("".join(f"{path}\n" for path in sorted(absent)))
+    _note(store, MADE, [path for path in FIXED if not path.exists()])
 
 
-def remove_fixed_paths(store: Path) -> None:
-    """Remove the fixed paths a run made (nothing in them is mounted or running any more)."""
-    noted = store / "fixed-paths-made"
-    if noted.exists():
-        for path in noted.read_text().split():
-            shutil.rmtree(path, ignore_errors=True)
-        noted.unlink()
+def share(store: Path, path: Path) -> None:
+    """Make ``path`` a mount point of its own and shared, as a hostPath under a ``mountPropagation:
+    Bidirectional`` volume must be (``/`` is private here): bound on itself and made rshared. Noted in ``store``,
+    so that the sweep unmounts it and all pods mounted under it, and removes it if this made it."""
+    if not path.exists():
+        _note(store, MADE, [path])
+        path.mkdir(parents=True)
+    _note(store, SHARED, [path])
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True, capture_output=True, timeout=30)
+    subprocess.run(["mount", "--make-rshared", str(path)], check=True, capture_output=True, timeout=30)
+
+
+def remove_made_paths(store: Path) -> None:
+    """Remove the fixed paths and shared mount points a run made (nothing in them is mounted or running any
+    more)."""
+    for path in _noted(store, MADE):
+        shutil.rmtree(path, ignore_errors=True)
+    (store / MADE).unlink(missing_ok=True)
+
+
+def _noted(store: Path, name: str) -> list[str]:
+    return (store / name).read_text().split() if (store / name).exists() else []
+
+
+def _note(store: Path, name: str, paths: list[Path]) -> None:
+    noted = sorted({*_noted(store, name), *(str(path) for path in paths)})
+    (store / name).write_text("".join(f"{path}\n" for path in noted))
 
 
 def leftovers(store: Path) -> list[str]:
@@ -87,15 +108,14 @@ def leftovers(store: Path) -> list[str]:
     loop device still there, described."""
     found = [f"process {pid}: {_cmdline(pid)}" for pid in sorted(_leftover_pids(store / "run"))]
     found += [f"mount {point}" for point in _mounts_under(store)]
+    found += [f"mount {point}" for shared in _noted(store, SHARED) for point in _mounts_under(Path(shared), True)]
     found += [f"log link {link}" for link in _log_links(store)]
     found += [f"network namespace {name}" for name in network.namespaces()]
     found += [f"link {link.name}" for link in Path("/sys/class/net").glob(f"{network.LINK_PREFIX}*")]
     for hierarchy in _hierarchies():
         found += [f"cgroup {root}" for root in hierarchy.glob(f"{network.PREFIX}*")]
     found += [f"loop device {device}" for device in _loops(store)]
-    noted = store / "fixed-paths-made"
-    if noted.exists():
-        found += [f"path {path}" for path in noted.read_text().split() if Path(path).exists()]
+    found += [f"path {path}" for path in _noted(store, MADE) if Path(path).exists()]
     return found
 
 
@@ -159,14 +179,14 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _mounts_under(store: Path) -> list[str]:
+def _mounts_under(root: Path, itself: bool = False) -> list[str]:
     points = (line.split()[4].replace("\\040", " ") for line in Path("/proc/self/mountinfo").read_text().splitlines())
-    return [point for point in points if point.startswith(f"{store}/")]
+    return [point for point in points if point.startswith(f"{root}/") or (itself and point == str(root))]
 
 
-def _unmount_under(store: Path) -> None:
+def _unmount_under(root: Path, *, itself: bool = False) -> None:
     for _ in range(5):  # an unmount may uncover another mount at the same point
-        points = _mounts_under(store)
+        points = _mounts_under(root, itself)
         if not points:
             return
         for point in sorted(points, key=len, reverse=True):

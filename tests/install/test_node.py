@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,8 @@ import pytest
 from tests.install import network, runtime, sweep
 from tests.install.node import PYTHON_IMAGE, STORE, Cluster, Unavailable, spot_node, stable_node
 
-SPOT = spot_node()
+GPU_TAINT = "nvidia.com/gpu=true:NoSchedule"  # as a GPU NodePool taints its nodes
+SPOT = spot_node(taints=[GPU_TAINT])
 STABLE = stable_node()
 TIMINGS: dict[str, float] = {}
 
@@ -95,11 +97,13 @@ def report(config: pytest.Config) -> None:
 
 
 def on(node: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Pod spec fields that put a pod on ``node`` by its capacity type, as a user's nodeSelector would."""
-    labels = {"karpenter.sh/capacity-type": SPOT.labels["karpenter.sh/capacity-type"]}
-    if node == STABLE.name:
-        labels = {"karpenter.sh/capacity-type": STABLE.labels["karpenter.sh/capacity-type"]}
-    return {"nodeSelector": labels, **(extra or {})}
+    """Pod spec fields that put a pod on ``node`` as a user's would: a nodeSelector on its capacity type, and on
+    the Spot node a toleration of its GPU taint."""
+    spec = SPOT if node == SPOT.name else STABLE
+    fields: dict[str, Any] = {"nodeSelector": {"karpenter.sh/capacity-type": spec.labels["karpenter.sh/capacity-type"]}}
+    if spec is SPOT:
+        fields["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {**fields, **(extra or {})}
 
 
 def server(port: int) -> dict[str, Any]:
@@ -156,6 +160,9 @@ def test_both_nodes_register_as_the_provisioner_made_them(cluster: Cluster) -> N
         node = cluster.get("node", spec.name)
         assert node["spec"]["providerID"] == spec.provider_id
         assert spec.labels.items() <= node["metadata"]["labels"].items()
+        # the node lifecycle controller's own taints come and go with the Ready condition it last saw
+        taints = [t for t in node["spec"].get("taints", []) if not t["key"].startswith("node.kubernetes.io/")]
+        assert [f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in taints] == list(spec.taints)
         addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
         assert addresses["InternalIP"] == cluster.node(spec.name).address
 
@@ -245,3 +252,23 @@ def test_an_imported_image_reaches_every_node_and_runs_without_a_pull(cluster: C
     pod["spec"]["containers"][0] |= {"image": tag, "command": None, "args": ["{}"], "imagePullPolicy": "Never"}
     apply(cluster, pod)
     assert finished(cluster, "imported", "pod of the imported image ran")["node"] == STABLE.name
+
+
+def test_a_mount_made_under_a_bidirectional_host_path_reaches_the_host(cluster: Cluster) -> None:
+    shared = cluster.share(Path("/mnt/spotdrain-e2e-model-cache"))  # as the agent's /mnt/model-cache
+    mounting = "mkdir -p /cache/inner && mount -t tmpfs -o size=1m e2e-cache /cache/inner"
+    mounting += " && echo written > /cache/inner/file && echo '{}'"
+    pod = script_pod("bidirectional", SPOT.name, "")
+    pod["spec"]["containers"][0] |= {
+        "command": ["sh", "-c", mounting],
+        "securityContext": {"privileged": True},  # the API server refuses Bidirectional otherwise
+        "volumeMounts": [{"name": "cache", "mountPath": "/cache", "mountPropagation": "Bidirectional"}],
+    }
+    pod["spec"]["volumes"] = [{"name": "cache", "hostPath": {"path": str(shared), "type": "Directory"}}]
+    apply(cluster, pod)
+    finished(cluster, "bidirectional", "pod mounted under a Bidirectional hostPath")
+    found = subprocess.run(
+        ["findmnt", "-n", "-o", "FSTYPE,SOURCE", str(shared / "inner")], capture_output=True, text=True, timeout=30
+    )
+    assert found.stdout.split() == ["tmpfs", "e2e-cache"]
+    assert (shared / "inner" / "file").read_text() == "written\n"
