@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from awscrt import checksums as crt
-
 MANIFEST = ".spotdrain-manifest.json"  # agent.cache.fetch.parts.MANIFEST; simulate/ never imports the agent
 SHARDS = (  # (file, [(tensor, rows, columns)]) of F16 tensors
     (
@@ -69,6 +67,8 @@ def tiny_checkpoint(seed: int = 7) -> dict[str, bytes]:
 
 def expected(files: Mapping[str, bytes]) -> dict[str, Expected]:
     """Each file's size, MD5 and CRC64NVME, as the fake S3 gives them (ETag, ``x-amz-checksum-crc64nvme``)."""
+    from awscrt import checksums as crt  # imported where used: `spotdrain simulate` runs without the node extra
+
     return {
         path: Expected(len(data), hashlib.md5(data).hexdigest(), crt.crc64nvme(data).to_bytes(8, "big").hex())
         for path, data in files.items()
