@@ -60,7 +60,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 EXTRAS: dict[str, tuple[str, ...]] = {
     "node": ("node",),
     "cache": ("node",),
-    "inject": ("node",),
+    "inject": ("inject",),
     "webhook": ("webhook",),
     "check": ("node",),
     "simulate": ("node", "webhook"),

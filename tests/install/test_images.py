@@ -14,8 +14,13 @@ from tests.install.conftest import Images
 from tests.install.engine import BASE, PROGRAMS, ROOT, Podman, build_file, run_once
 
 COMMANDS_LABEL = "io.spotdrain.commands"
-# What each image installs: Dockerfile.<program>'s `pip install '.[extra]'`.
-EXTRAS = {"agent": "node", "sidecar": None, "gateway": "gateway", "webhook": "webhook"}
+# What each image installs: Dockerfile.<program>'s `pip install '.[extras]'`.
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "agent": ("node",),
+    "sidecar": (),
+    "gateway": ("gateway",),
+    "webhook": ("webhook", "inject"),
+}
 CACHE_TOOLS = ("mdadm", "mkfs.xfs", "mkfs.ext4", "blkid", "lsblk", "mount")
 CACHE_PACKAGES = ("mdadm", "xfsprogs", "e2fsprogs", "util-linux", "mount")
 # A base with Debian's own Python 3.11 in /usr and none in /usr/local: the build stage's prefix, copied to /usr/local,
@@ -79,8 +84,9 @@ def test_the_agent_image_has_the_cache_tools_from_bookworm(podman: Podman, image
 def test_the_image_installs_its_extra_and_no_other(podman: Podman, images: Images, program: str) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras: dict[str, list[str]] = project["optional-dependencies"]
-    own = {distribution(r) for r in [*project["dependencies"], *extras.get(EXTRAS[program] or "", [])]}
-    others = {distribution(r) for name, reqs in extras.items() if name != EXTRAS[program] for r in reqs}
+    mine = [r for name in EXTRAS[program] for r in extras[name]]
+    own = {distribution(r) for r in [*project["dependencies"], *mine]}
+    others = {distribution(r) for name, reqs in extras.items() if name not in EXTRAS[program] for r in reqs}
     others -= own | {"spotdrain"}  # the test extra names the project itself
     listing = "import importlib.metadata as m, json; print(json.dumps([d.metadata['Name'] for d in m.distributions()]))"
     done = run_once(podman, ["--entrypoint", "python3"], images(program).tag, "-c", listing)

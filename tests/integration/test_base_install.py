@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 
 from simulate.fakes.processes import free_port, start, stop, wait_http
 
-EXTRAS = ("node", "webhook", "gateway")
+EXTRAS = ("node", "inject", "webhook", "gateway")
 HIDE = """
 import sys
 HIDDEN = frozenset({hidden!r})
@@ -108,7 +108,7 @@ def test_every_commands_help_works_on_the_base_install(base_env: dict[str, str],
         (["node", "--node-name", "gpu-1"], "node"),
         (["cache", "--model-cache-path", "{tmp}/cache"], "node"),
         (["cache", "fetch", "s3://bucket/models/m/", "--name", "m", "--model-cache-path", "{tmp}/cache"], "node"),
-        (["inject", "-f", "{tmp}/app.yaml"], "node"),
+        (["inject", "-f", "{tmp}/app.yaml"], "inject"),
         (["check", "--kubeconfig", "{tmp}/kubeconfig"], "node"),
         (
             [

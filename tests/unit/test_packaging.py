@@ -63,7 +63,7 @@ def test_the_agent_image_has_the_node_cache_and_check_commands_and_no_sidecar() 
     assert commands == ["node", "cache", "check"]
 
 
-def test_the_webhook_image_has_its_command_and_no_yaml_node_agent_or_sidecar() -> None:
+def test_the_webhook_image_has_its_commands_and_no_node_agent_or_sidecar() -> None:
     assert copied_packages("Dockerfile.webhook") == {"spotdrain", "inject", "webhook"}
     loaded = _in_image(
         "Dockerfile.webhook",
@@ -73,16 +73,15 @@ def test_the_webhook_image_has_its_command_and_no_yaml_node_agent_or_sidecar() -
         "import webhook.settings; webhook.settings.from_arguments(args)\n"
         "print(*[m for m in ('boto3', 'kubernetes_asyncio', 'yaml', 'sidecar', 'agent') if m in sys.modules])\n",
     )
-    # `spotdrain inject` parses here (its flags are inject.options'), and says it needs PyYAML if run.
-    assert loaded == ["inject", "webhook"]
+    assert loaded == ["inject", "webhook"]  # PyYAML is loaded only when inject runs
 
 
-def test_the_webhook_image_runs_as_a_non_root_user_with_the_webhook_extra() -> None:
+def test_the_webhook_image_runs_as_a_non_root_user_with_the_webhook_and_inject_extras() -> None:
     dockerfile = (ROOT / "Dockerfile.webhook").read_text()
     assert "USER 65532:65532" in dockerfile
-    assert "pip install --no-cache-dir --prefix=/install '.[webhook]'\n" in dockerfile
-    webhook = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["webhook"]
-    assert [dep.partition(">")[0] for dep in webhook] == ["cryptography"]
+    assert "pip install --no-cache-dir --prefix=/install '.[webhook,inject]'\n" in dockerfile
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [dep.partition(">")[0] for dep in extras["webhook"] + extras["inject"]] == ["cryptography", "pyyaml"]
 
 
 def test_a_program_that_is_not_installed_has_no_command_but_a_missing_dependency_still_fails(
