@@ -26,6 +26,7 @@ CONTROLLERS = ",".join(
         "serviceaccount-token",
         "root-ca-certificate-publisher",
         "service-ca-certificate-publisher",
+        "endpoints",  # the API server's service proxy and its calls to webhooks read Endpoints
         "endpointslice",
         "deployment",
         "replicaset",
@@ -96,6 +97,9 @@ def _apiserver_flags(plane: ControlPlane, serving: KeyPair, to_kubelets: KeyPair
         f"--kubelet-client-certificate={to_kubelets.cert}",
         f"--kubelet-client-key={to_kubelets.key}",
         "--kubelet-preferred-address-types=InternalIP",  # the nodes' names resolve nowhere
+        # No kube-proxy runs, so a Service's ClusterIP leads nowhere: admission webhooks and aggregated APIs are
+        # called at an endpoint of their Service instead, a pod IP the host routes to its node.
+        "--enable-aggregator-routing=true",
     ]
 
 

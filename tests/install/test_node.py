@@ -6,6 +6,7 @@ on the machine. Each phase's time is printed at the end of the module."""
 
 from __future__ import annotations
 
+import base64
 import json
 import lzma
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from simulate.fakes.tls import write_tls_files
 from tests.install import network, runtime, sweep
 from tests.install.node import PYTHON_IMAGE, STORE, Cluster, Unavailable, spot_node, stable_node
 
@@ -53,6 +55,25 @@ try:
 except urllib.error.HTTPError as refused:
     v1 = refused.code
 print(json.dumps({"instance": instance, "without_token": v1}))
+"""
+# An admission webhook as a user's would answer: AdmissionReview v1 in, the same uid out, over TLS.
+HOOK = """
+import http.server, json, ssl
+class Hook(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        status = {"code": 403, "message": "refused by the e2e hook"}
+        answer = {"uid": review["request"]["uid"], "allowed": False, "status": status}
+        body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": answer})
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body.encode())
+server = http.server.HTTPServer(("", 8443), Hook)
+context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+context.load_cert_chain("/tls/server.crt", "/tls/server.key")
+server.socket = context.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
 """
 FETCH = """
 import json, sys, urllib.request
@@ -272,3 +293,64 @@ def test_a_mount_made_under_a_bidirectional_host_path_reaches_the_host(cluster: 
     )
     assert found.stdout.split() == ["tmpfs", "e2e-cache"]
     assert (shared / "inner" / "file").read_text() == "written\n"
+
+
+def test_the_api_server_reaches_a_pod_behind_its_service(cluster: Cluster, web: dict[str, Any]) -> None:
+    listing = cluster.kubectl("get", "--raw", "/api/v1/namespaces/default/services/web/proxy/")
+    assert "Directory listing for /" in listing
+
+
+def test_the_api_server_calls_an_admission_webhook_behind_its_service(cluster: Cluster, tmp_path: Path) -> None:
+    tls = write_tls_files(tmp_path, hosts=("hook.default.svc",))
+    files = {"server.crt": tls.cert_path.read_text(), "server.key": tls.key_path.read_text()}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hook-tls"}, "stringData": files}
+    container: dict[str, Any] = {
+        "name": "hook",
+        "image": PYTHON_IMAGE,
+        "command": ["python3", "-c", HOOK],
+        "volumeMounts": [{"name": "tls", "mountPath": "/tls"}],
+        "readinessProbe": {"tcpSocket": {"port": 8443}, "periodSeconds": 1},
+    }
+    volumes = [{"name": "tls", "secret": {"secretName": "hook-tls"}}]
+    spec = on(STABLE.name, {"containers": [container], "volumes": volumes})
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hook", "labels": {"app": "hook"}}, "spec": spec}
+    ports = [{"port": 443, "targetPort": 8443}]
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "hook"}}
+    service["spec"] = {"selector": {"app": "hook"}, "ports": ports}
+    started = time.monotonic()
+    apply(cluster, secret, pod, service)
+    ready_pod(cluster, "app=hook")
+    TIMINGS["webhook pod Ready"] = time.monotonic() - started
+    hook: dict[str, Any] = {
+        "name": "refuse.e2e.spotdrain.io",
+        "clientConfig": {
+            "service": {"namespace": "default", "name": "hook", "port": 443, "path": "/validate"},
+            "caBundle": base64.b64encode(tls.ca_path.read_bytes()).decode(),
+        },
+        "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["configmaps"]}],
+        "objectSelector": {"matchLabels": {"e2e-hook": "refuse"}},
+        "failurePolicy": "Fail",
+        "sideEffects": "None",
+        "admissionReviewVersions": ["v1"],
+        "timeoutSeconds": 5,
+    }
+    kind = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration"}
+    apply(cluster, {**kind, "metadata": {"name": "e2e-refuse"}, "webhooks": [hook]})
+    refused = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "refused", "labels": {"e2e-hook": "refuse"}},
+    }
+
+    def answered() -> str:
+        try:
+            cluster.kubectl("create", "-f", "-", input=json.dumps(refused))
+        except AssertionError as refusal:
+            return str(refusal)
+        cluster.kubectl("delete", "configmap", "refused")  # made before the API server saw the configuration
+        return ""
+
+    try:
+        assert "refused by the e2e hook" in cluster.wait_for("the webhook's answer", answered, within_s=30)
+    finally:
+        cluster.kubectl("delete", "validatingwebhookconfiguration", "e2e-refuse")
