@@ -20,6 +20,7 @@ from botocore.config import Config
 from agent.cache.fetch.run import fetch
 from agent.cache.fetch.settings import MIB
 from agent.cache.fetch.sources import S3Source
+from agent.cache.fetch.transfer import FetchError
 from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
 from simulate.fakes.imds import serving
 from simulate.fakes.s3 import FakeS3, checksum
@@ -188,7 +189,23 @@ async def test_spotdrain_cache_fetch_checks_an_upload_in_parts_by_what_s3_keeps(
         settings = settings_for(S3Source("models", "m/"), tmp_path, url, name="m")
         target = await fetch(dataclasses.replace(settings, aws_region="us-east-1"))
     assert (target / "w.safetensors").read_bytes() == DATA
+    heads = [seen.path for seen in fake.requests if seen.method == "HEAD"]
+    assert len(heads) == (3 if kind == "COMPOSITE" else 2), "a HEAD per part, or part 1's and the whole object's"
     record = (target / ".spotdrain-manifest.json").read_text()
     assert f'"kind": "{checked}"' in record
     if checked == "crc32":
         assert f'"value": "{zlib.crc32(DATA):08x}"' in record
+
+
+async def test_parts_that_do_not_add_up_to_the_listed_size_are_a_listing_to_try_again(
+    tmp_path: Path, aws_credentials: None
+) -> None:
+    """An object replaced between the listing and its parts' HEADs: nothing it says can be checked against."""
+    fake = FakeS3()
+    stored = fake.put_in_parts("models", "m/w.safetensors", DATA, part_size=MIB, algorithm="CRC32")
+    fake.buckets["models"]["m/w.safetensors"] = dataclasses.replace(stored, part_sizes=(MIB, MIB, 4))
+    async with serving(fake) as url:
+        settings = settings_for(S3Source("models", "m/"), tmp_path, url, name="m", aws_region="us-east-1")
+        with pytest.raises(FetchError, match="its parts do not add up to its listed size") as raised:
+            await fetch(settings)
+    assert (raised.value.reason, raised.value.transient) == ("listing", True)
