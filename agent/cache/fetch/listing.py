@@ -1,5 +1,6 @@
-"""The files of a source, and how to GET each: S3 through ``agent.cache.fetch.s3`` (listing, one HEAD per object,
-presigned URLs), a Hugging Face-style mirror through its model-info answer.
+"""The files of a source, and how to GET each: S3 through ``agent.cache.fetch.s3`` (listing, a HEAD per object and
+one per part of an object whose checksum is composite, presigned URLs), a Hugging Face-style mirror through its
+model-info answer.
 
 Objects are read with presigned URLs, so the transfers need no signing per request: a URL is signed once per file
 and used for every part until it is near its expiry.
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agent.cache.fetch.s3 import S3, Listed
 from agent.cache.fetch.sources import (
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # imported where a mirror is listed: an S3 fetch, an init con
 
     import aiohttp
 
+T = TypeVar("T")
 URL_EXPIRY_S = 3600
 RESIGN_AFTER_S = 1800  # a URL older than this is signed again before a part uses it
 HEADS_AT_ONCE = 16  # a 5 GB file in boto3's 8 MiB parts takes 597 HEADs when its checksum is composite
@@ -59,7 +61,7 @@ class S3Listing:
     async def files(self) -> list[RemoteFile]:
         objects = await self._list()
         self.heads = asyncio.Semaphore(HEADS_AT_ONCE)  # every HEAD of the listing, of objects and of their parts
-        return list(await asyncio.gather(*(self._described(item) for item in objects)))
+        return await _every(self._described(item) for item in objects)
 
     async def _described(self, item: Listed) -> RemoteFile:
         """The object and what S3 keeps to check it by. HEAD of part 1 first: one HEAD for an object uploaded in one
@@ -70,7 +72,7 @@ class S3Listing:
         first = await self._head(item.key, 1)
         count = _parts_count(first)
         if _is_composite(first):
-            rest = await asyncio.gather(*(self._head(item.key, n) for n in range(2, count + 1)))
+            rest = await _every(self._head(item.key, n) for n in range(2, count + 1))
             parts = [first, *rest]
             if sum(_length(part) for part in parts) != item.size:
                 raise FetchError(
@@ -227,6 +229,16 @@ class MirrorListing:
         except ApiError as error:
             reason = "not_found" if error.status == 404 else "listing"
             raise FetchError(f"{what}: {error}", reason=reason, transient=error.transient) from None
+
+
+async def _every(calls: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
+    """Each call's result, in order, the calls run at once; the first FetchError ends the others."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(call) for call in calls]
+    except* FetchError as errors:
+        raise errors.exceptions[0] from None
+    return [task.result() for task in tasks]
 
 
 def _parts_count(head: Mapping[str, str]) -> int:
