@@ -23,25 +23,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """A node as a provisioner registers it: its name, labels, taints (``key=value:Effect``) and providerID."""
+    """A node as a provisioner registers it: its name, labels, taints (``key=value:Effect``), providerID, and the
+    extended resources its device plugins would advertise (no device plugin runs here)."""
 
     name: str
     labels: Mapping[str, str] = field(default_factory=dict)
     taints: Sequence[str] = ()
     provider_id: str = ""
+    extended_resources: Mapping[str, str] = field(default_factory=dict)
 
 
 def spot_node(
     name: str = "ip-10-213-0-2.ec2.internal", instance_id: str = "i-0e2e000000000spot", taints: Sequence[str] = ()
 ) -> NodeSpec:
-    """A g5.xlarge Spot node with the labels Karpenter gives one (without the GPU itself: no device plugin runs),
-    which the agent's DaemonSet selects by ``karpenter.k8s.aws/instance-gpu-count``."""
+    """A g5.xlarge Spot node with the labels Karpenter gives one, which the agent's DaemonSet selects by
+    ``karpenter.k8s.aws/instance-gpu-count``, and its one ``nvidia.com/gpu`` (advertised, not there)."""
     labels = {"karpenter.sh/capacity-type": "spot", "node.kubernetes.io/instance-type": "g5.xlarge"}
     labels |= {"topology.kubernetes.io/zone": "us-east-1a", "karpenter.sh/nodepool": "gpu-spot"}
     labels |= {"karpenter.k8s.aws/instance-family": "g5", "karpenter.k8s.aws/instance-size": "xlarge"}
     labels |= {"karpenter.k8s.aws/instance-gpu-count": "1", "karpenter.k8s.aws/instance-gpu-name": "a10g"}
     labels |= {"karpenter.k8s.aws/instance-gpu-manufacturer": "nvidia"}
-    return NodeSpec(name, labels, tuple(taints), f"aws:///us-east-1a/{instance_id}")
+    return NodeSpec(name, labels, tuple(taints), f"aws:///us-east-1a/{instance_id}", {"nvidia.com/gpu": "1"})
 
 
 def stable_node(name: str = "ip-10-213-1-2.ec2.internal", instance_id: str = "i-0e2e00000000stable") -> NodeSpec:

@@ -219,9 +219,23 @@ class Cluster:
         for node in self.nodes:
             node.start_kubelet(authority, bin_dir)
         self.wait_for("every node Ready", self._all_ready)
+        for node in self.nodes:
+            self._advertise(node.spec)
         self._phase("nodes Ready", step)
         self.namespace_ready("default")
         self._phase("cluster up", started)
+
+    def _advertise(self, spec: NodeSpec) -> None:
+        """Add the node's extended resources to its status as its device plugins would have the kubelet do. The
+        kubelet keeps an extended resource no device plugin registered, and admits pods that request it
+        ("Advertise Extended Resources for a Node", kubernetes.io/docs/tasks/administer-cluster/)."""
+        patch = [
+            {"op": "add", "path": f"/status/{field}/{name.replace('/', '~1')}", "value": value}
+            for name, value in spec.extended_resources.items()
+            for field in ("capacity", "allocatable")
+        ]
+        if patch:
+            self.kubectl("patch", "node", spec.name, "--subresource=status", "--type=json", "-p", json.dumps(patch))
 
     def _all_ready(self) -> bool:
         """Every node Ready, and untainted by the node lifecycle controller (whose not-ready taint outlives the

@@ -184,6 +184,8 @@ def test_both_nodes_register_as_the_provisioner_made_them(cluster: Cluster) -> N
         # the node lifecycle controller's own taints come and go with the Ready condition it last saw
         taints = [t for t in node["spec"].get("taints", []) if not t["key"].startswith("node.kubernetes.io/")]
         assert [f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in taints] == list(spec.taints)
+        for name, value in spec.extended_resources.items():
+            assert node["status"]["allocatable"][name] == value
         addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
         assert addresses["InternalIP"] == cluster.node(spec.name).address
 
@@ -221,7 +223,10 @@ def test_a_deployment_becomes_ready_on_the_spot_node_and_its_slice_lists_it(
 
 
 def test_a_pod_reaches_the_api_server_through_the_kubernetes_service_with_its_token(cluster: Cluster) -> None:
-    apply(cluster, script_pod("who-am-i", SPOT.name, WHO_AM_I))
+    pod = script_pod("who-am-i", SPOT.name, WHO_AM_I)
+    gpu = {"nvidia.com/gpu": "1"}  # as an inference pod asks for the node's GPU
+    pod["spec"]["containers"][0]["resources"] = {"requests": gpu, "limits": gpu}
+    apply(cluster, pod)
     printed = finished(cluster, "who-am-i", "pod ran and reached the API server")
     assert printed["host"] == network.KUBERNETES_SERVICE
     assert printed["user"] == "system:serviceaccount:default:default"
