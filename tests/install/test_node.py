@@ -1,8 +1,10 @@
-"""The end-to-end tier's real nodes do what a user's cluster does for what the tier installs: a Deployment becomes
-Ready behind its readiness probe and is listed ready in its Service's EndpointSlice, a pod reaches the API server
-through the ``kubernetes`` Service with its own ServiceAccount token and the instance's IMDS with IMDSv2, a
-hostNetwork pod runs on the node's address, and a second node runs pods its pods can reach. Stopping leaves nothing
-on the machine. Each phase's time is printed at the end of the module."""
+"""The end-to-end tier's real nodes do what a user's cluster does for what the tier installs: the nodes register as
+Karpenter registers them; a Deployment becomes Ready behind its readiness probe and is listed ready in its Service's
+EndpointSlice; pods reach the API server through the ``kubernetes`` Service with their own ServiceAccount token (on
+the pod network, with hostNetwork, on either node, with the Spot node's GPU requested), the instance's IMDS with
+IMDSv2 and each other across nodes; the API server reaches pods behind their Services (its proxy, an admission
+webhook); an imported image runs unpulled; a mount under a Bidirectional hostPath reaches the host. Stopping leaves
+nothing on the machine. Each phase's time is printed at the end of the module."""
 
 from __future__ import annotations
 
