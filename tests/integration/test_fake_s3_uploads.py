@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import subprocess
+import sys
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ from tests.integration.test_cache_fetch import settings_for
 from tests.integration.test_cache_fetch_uploads import weights
 from tests.integration.test_fake_s3 import client
 
+ROOT = Path(__file__).resolve().parents[2]
 DATA = weights(2 * MIB + 5)  # three parts of 1 MiB, the last one 5 bytes
 # (how, ChecksumAlgorithm, ChecksumType): PutObject, or a multipart upload of 1 MiB parts.
 UPLOADS = [
@@ -209,3 +212,10 @@ async def test_parts_that_do_not_add_up_to_the_listed_size_are_a_listing_to_try_
         with pytest.raises(FetchError, match="its parts do not add up to its listed size") as raised:
             await fetch(settings)
     assert (raised.value.reason, raised.value.transient) == ("listing", True)
+
+
+def test_the_simulations_s3_and_model_import_without_awscrt() -> None:
+    """``pip install spotdrain`` without the node extra has no awscrt; ``spotdrain simulate`` imports both."""
+    code = "import sys; sys.modules['awscrt'] = None; import simulate.fakes.s3, simulate.model; print('imported')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.stdout, done.stderr) == ("imported\n", "")
