@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 from awscrt import checksums as crt
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent.cache.fetch.parts import manifest_problems, parts_of, progress_record, resumable, same_fetch
 from agent.cache.fetch.progress import Progress
@@ -363,3 +365,31 @@ def test_a_composite_crc_takes_the_fetch_parts_crcs_where_each_lies_in_one_uploa
         assert digest.check(fd) == (None, checksum)
     finally:
         os.close(fd)
+
+
+_HEADER_TEXT = st.one_of(st.text(max_size=60), st.sampled_from(["AAAAAA==", "AAAAAAAAAAA=", "AAAAAA==-2", ""]))
+
+
+@given(
+    whole=st.dictionaries(st.sampled_from(["crc64nvme", "crc32c", "crc32", "sha1", "sha256", "md5"]), _HEADER_TEXT),
+    parts=st.lists(
+        st.tuples(st.integers(0, 2**40), st.dictionaries(st.sampled_from(["crc32", "sha256"]), _HEADER_TEXT)),
+        max_size=4,
+    ),
+    etag=st.text(max_size=40),
+)
+def test_s3_checksums_take_any_headers_without_raising(
+    whole: dict[str, str], parts: list[tuple[int, dict[str, str]]], etag: str
+) -> None:
+    """Headers are the server's to send: whatever they hold, what they say is taken or passed over."""
+    for found in s3_checksums(etag=etag, part_size=5, whole_b64=whole, parts_b64=parts, encrypted=False):
+        assert found.kind.removeprefix("composite-") in (
+            "crc64nvme",
+            "crc32c",
+            "crc32",
+            "sha1",
+            "sha256",
+            "md5",
+            "s3-multipart",
+        )
+        assert len(found.parts) in (0, len(parts))
