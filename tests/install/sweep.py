@@ -65,7 +65,7 @@ def sweep(store: Path, *, keep_logs: bool = False) -> None:
             _remove_tree(root)
     for link in _log_links(store):
         link.unlink(missing_ok=True)
-    if not keep_logs:
+    if not keep_logs and not _mounts_under(run):  # rmtree would go on into whatever is still mounted
         shutil.rmtree(run, ignore_errors=True)
 
 
@@ -89,9 +89,12 @@ def share(store: Path, path: Path) -> None:
 def remove_made_paths(store: Path) -> None:
     """Remove the fixed paths and shared mount points a run made (nothing in them is mounted or running any
     more)."""
+    kept = [Path(path) for path in _noted(store, MADE) if _mounts_under(Path(path), itself=True)]
     for path in _noted(store, MADE):
-        shutil.rmtree(path, ignore_errors=True)
+        if Path(path) not in kept:  # rmtree would go on into whatever is still mounted
+            shutil.rmtree(path, ignore_errors=True)
     (store / MADE).unlink(missing_ok=True)
+    _note(store, MADE, kept)
 
 
 def _noted(store: Path, name: str) -> list[str]:
