@@ -119,27 +119,27 @@ def import_image(socket: Path, archive: Path) -> None:
 
 def remove_containers(socket: Path) -> None:
     """Kill every task by its id (shims outlive containerd) and delete every container, sandboxes included."""
-    for task in ctr(socket, "tasks", "list", "--quiet").split():
-        subprocess.run(
-            ["ctr", "--address", str(socket), "-n", "k8s.io", "tasks", "kill", "-s", "SIGKILL", task],
-            capture_output=True,
-            timeout=CTR_TIMEOUT_S,
-        )
+    for task in _running_tasks(socket):
+        _quietly(socket, "tasks", "kill", "--signal", "SIGKILL", task)
     give_up = time.monotonic() + 15
-    while ctr(socket, "tasks", "list", "--quiet").split() and time.monotonic() < give_up:
+    while _running_tasks(socket) and time.monotonic() < give_up:
         time.sleep(0.2)
     for task in ctr(socket, "tasks", "list", "--quiet").split():
-        subprocess.run(
-            ["ctr", "--address", str(socket), "-n", "k8s.io", "tasks", "delete", "--force", task],
-            capture_output=True,
-            timeout=CTR_TIMEOUT_S,
-        )
+        _quietly(socket, "tasks", "delete", "--force", task)
     for container in ctr(socket, "containers", "list", "--quiet").split():
-        subprocess.run(
-            ["ctr", "--address", str(socket), "-n", "k8s.io", "containers", "delete", container],
-            capture_output=True,
-            timeout=CTR_TIMEOUT_S,
-        )
+        _quietly(socket, "containers", "delete", container)
+
+
+def _running_tasks(socket: Path) -> list[str]:
+    """The ids of the tasks not stopped yet (``ctr tasks list``: TASK PID STATUS)."""
+    rows = [line.split() for line in ctr(socket, "tasks", "list").splitlines()[1:]]
+    return [row[0] for row in rows if len(row) == 3 and row[2] != "STOPPED"]
+
+
+def _quietly(socket: Path, *args: str) -> None:
+    """One ctr call whose failure the caller's later steps make up for (a task gone meanwhile)."""
+    argv = ["ctr", "--address", str(socket), "--namespace", "k8s.io", *args]
+    subprocess.run(argv, capture_output=True, timeout=CTR_TIMEOUT_S)
 
 
 def remove_images_except(socket: Path, keep: set[str]) -> None:
