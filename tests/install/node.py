@@ -51,8 +51,8 @@ IMAGES = ROOT.parent / "shared" / "images"  # where CI's clone finds the shared 
 PYTHON_ARCHIVE = "python-3.11-slim-bookworm.tar.xz"
 PYTHON_IMAGE = "docker.io/library/python:3.11-slim-bookworm"
 READY_WITHIN_S = 90.0
-LOCK_WITHIN_S = 900.0
-_RUNNING: list[Cluster] = []  # a whole tier's run
+LOCK_WITHIN_S = 900.0  # a whole tier's run
+_RUNNING: list[Cluster] = []
 TOOLS = ("curl", "containerd", "runc", "ctr", "kubectl", "nsenter", "iptables", "ip", "losetup", "busybox", "ldd")
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
 
