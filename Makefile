@@ -26,9 +26,10 @@ test-engines: $(STAMP)
 	$(BIN)/python -m simulate.vllm install
 	SPOTDRAIN_ENGINE_TIER=1 $(BIN)/pytest tests/engines
 
-# The image tier: the four Dockerfiles built as they are (podman, in a store of its own, /var/tmp/spotdrain-e2e/podman,
-# kept as the build cache) and each image run as the manifests run it. Where podman, runc or ../shared/images is
-# missing, its tests report skipped with the reason.
+# The end-to-end tier: the four Dockerfiles built as they are (podman, in a store of its own,
+# /var/tmp/spotdrain-e2e/podman, kept as the build cache) and each image run as the manifests run it; real nodes
+# (kubelet, containerd and runc in network namespaces, ../shared/kube's control plane). Where podman, containerd,
+# runc or ../shared is missing, its tests report skipped with the reason.
 test-e2e: $(STAMP)
 	SPOTDRAIN_E2E_TIER=1 $(BIN)/pytest tests/install -rs
 
