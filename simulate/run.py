@@ -35,6 +35,7 @@ from spotdrain.clock import rfc3339, utcnow
 log = structlog.get_logger()
 
 SETTLE_S = 5.0  # after the node is empty: for the agent to see it, and for the load to hear its last refusals
+EVENT_WITHIN_S = 5.0  # from the taint to the node's Event, on a busy machine
 
 
 @dataclass(frozen=True)
@@ -283,5 +284,10 @@ async def _restart_agent(cluster: Cluster, seen: _Seen) -> None:
     would kill the agent before the mark its restart is to find."""
     await seen.flag(Kind.OUT_OF_ROTATION).wait()
     await seen.flag(Kind.TAINTED).wait()
+    # The node's Event is posted just after the patch that taints it: killed between the two, a restarted agent finds
+    # the node marked and writes none (an Event is for people, not part of the drain). Marked means both here.
+    async with asyncio.timeout(EVENT_WITHIN_S):
+        while not cluster.kube.events():
+            await asyncio.sleep(0.01)
     await cluster.kill_agent()
     await cluster.start_agent()
