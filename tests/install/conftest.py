@@ -4,11 +4,16 @@ manifests run them. Collected only with SPOTDRAIN_E2E_TIER=1: it builds images, 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
+import yaml
 
-from tests.install.engine import Built, Podman, Unavailable, build, open_store, prune
+from tests.install import node as real_node
+from tests.install import sweep
+from tests.install.engine import ROOT, Built, Podman, Unavailable, build, open_store, prune
 
 collect_ignore_glob = [] if os.environ.get("SPOTDRAIN_E2E_TIER") == "1" else ["test_*.py"]
 
@@ -55,6 +60,68 @@ def podman() -> Iterator[Podman]:
 @pytest.fixture(scope="session")
 def images(podman: Podman) -> Images:
     return Images(podman)
+
+
+GPU_TAINT = "nvidia.com/gpu=true:NoSchedule"  # as a GPU NodePool taints its nodes
+STARTUP_TAINT = "spotdrain.io/model-cache-pending=:NoSchedule"
+STABLE = real_node.stable_node()
+
+
+def _spot() -> real_node.NodeSpec:
+    """The Spot node as deploy/components/karpenter's NodePool launches it: its template's labels (the cache's
+    ``spotdrain.io/model-cache: ready`` among them), the GPU taint and the startup taint the agent removes."""
+    pool = yaml.safe_load((ROOT / "deploy/components/karpenter/nodepool.yaml").read_text())
+    spot = real_node.spot_node(taints=[GPU_TAINT, STARTUP_TAINT])
+    return replace(spot, labels={**spot.labels, **pool["spec"]["template"]["metadata"]["labels"]})
+
+
+SPOT = _spot()
+CLUSTER_TIMINGS: dict[str, float] = {}
+_SHARED: list[real_node.Cluster] = []  # the one Cluster a process may run, while it runs
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[real_node.Cluster]:
+    """The real nodes, once for the whole run (a process may run one Cluster): the Spot node with its fake IMDS,
+    and the stable node. Stopped at the end of the run, or before test_node_stop.py, which starts its own."""
+    started = time.monotonic()
+    harness = real_node.Cluster([SPOT, STABLE])
+    try:
+        harness.__enter__()
+    except real_node.Unavailable as reason:
+        pytest.skip(f"no real node can run here because {reason}")
+    _SHARED.append(harness)
+    try:
+        CLUSTER_TIMINGS.update({f"cluster: {name}": seconds for name, seconds in harness.timings.items()})
+        harness.node(SPOT.name).start_imds()
+        CLUSTER_TIMINGS["cluster up"] = time.monotonic() - started
+        yield harness
+    finally:
+        _stop_shared()
+
+
+def _stop_shared() -> None:
+    """Stop the shared cluster if it runs, and check it left nothing on the machine."""
+    if not _SHARED:
+        return
+    harness = _SHARED.pop()
+    step = time.monotonic()
+    harness.__exit__(None, None, None)
+    CLUSTER_TIMINGS["cluster stopped"] = time.monotonic() - step
+    left = sweep.leftovers(real_node.STORE)
+    assert not left, f"the stopped cluster left {left}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The install after test_node.py, which checks the nodes as they registered (the startup taint still on),
+    and test_node_stop.py last, once the shared cluster has stopped."""
+    rank = {"test_install.py": 1, "test_node_stop.py": 2}
+    items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: each module's own order stays
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.path.name == "test_node_stop.py":
+        _stop_shared()  # what it left fails this test's setup
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

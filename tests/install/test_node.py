@@ -21,12 +21,10 @@ from typing import Any
 import pytest
 
 from simulate.fakes.tls import write_tls_files
-from tests.install import network, runtime, sweep
-from tests.install.node import PYTHON_IMAGE, STORE, Cluster, Unavailable, spot_node, stable_node
+from tests.install import network, runtime
+from tests.install.conftest import CLUSTER_TIMINGS, SPOT, STABLE
+from tests.install.node import PYTHON_IMAGE, Cluster
 
-GPU_TAINT = "nvidia.com/gpu=true:NoSchedule"  # as a GPU NodePool taints its nodes
-SPOT = spot_node(taints=[GPU_TAINT])
-STABLE = stable_node()
 TIMINGS: dict[str, float] = {}
 
 # Run in the pods by the stand-in image's Python: what a user's client does with the mounted ServiceAccount.
@@ -85,26 +83,17 @@ with urllib.request.urlopen(sys.argv[1], timeout=10) as answer:
 
 
 @pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+def cluster(shared_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The run's cluster (conftest.py), with a loop device of this module's: that the cluster's stop detaches it is
+    checked when the run's cluster stops."""
     started = time.monotonic()
-    harness = Cluster([SPOT, STABLE])
+    TIMINGS.update(CLUSTER_TIMINGS)
+    shared_cluster.attach_loop(64 << 20)
     try:
-        harness.__enter__()
-    except Unavailable as reason:
-        pytest.skip(f"no real node can run here because {reason}")
-    try:
-        TIMINGS.update({f"cluster: {name}": seconds for name, seconds in harness.timings.items()})
-        harness.node(SPOT.name).start_imds()
-        harness.attach_loop(64 << 20)  # that the stop detaches it is checked below
-        yield harness
+        yield shared_cluster
     finally:
-        step = time.monotonic()
-        harness.__exit__(None, None, None)
-        TIMINGS["cluster stopped"] = time.monotonic() - step
         TIMINGS["module in all"] = time.monotonic() - started
         report(request.config)
-    left = sweep.leftovers(STORE)
-    assert not left, f"the stopped cluster left {left}"
 
 
 def report(config: pytest.Config) -> None:
@@ -126,6 +115,9 @@ def on(node: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     fields: dict[str, Any] = {"nodeSelector": {"karpenter.sh/capacity-type": spec.labels["karpenter.sh/capacity-type"]}}
     if spec is SPOT:
         fields["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        # The node's startup taint stays until spotdrain's agent, installed after this module (test_install.py),
+        # has built the model cache: these pods need no cache.
+        fields["tolerations"].append({"key": "spotdrain.io/model-cache-pending", "operator": "Exists"})
     return {**fields, **(extra or {})}
 
 

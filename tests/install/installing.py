@@ -1,0 +1,143 @@
+"""spotdrain installed on the real nodes as README.md's "Install" and "Model cache" tell a user: the images built from
+the Dockerfiles and imported into the nodes, then each step a ``kubectl apply -k`` of the shipped directory through
+an overlay that sets only what a user sets (``images:``, and the documented flags and variables each patch names).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.install.engine import ROOT, Podman, build_file, tag_of, tail
+
+# Named for the vllm/vllm-openai image it stands in for: the webhook tells a pod's engine by its image's name.
+FAKE_ENGINE = "localhost/spotdrain-e2e/vllm-openai-fake"
+TAG = "e2e"  # tag_of()'s tag: each overlay's images: points there
+MODEL = "qwen2.5-7b-instruct"  # deploy/vllm's --name, under s3://my-bucket/models/ as its source says
+BUCKET = "my-bucket"
+SAVE_TIMEOUT_S = 300.0
+
+
+class Timeline:
+    """What the install saw, each entry at its seconds since the install began."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.entries: list[tuple[float, str]] = []
+
+    def note(self, what: str) -> None:
+        self.entries.append((time.monotonic() - self.started, what))
+
+    def lines(self) -> list[str]:
+        return [f"[install] {seconds:6.1f} s  {what}" for seconds, what in self.entries]
+
+
+def build_fake_engine(podman: Podman, directory: Path) -> str:
+    """The fake engine's image (tests/install/Dockerfile.fake-engine) from a context of simulate/ alone; its tag."""
+    context = directory / "fake-engine"
+    shutil.copytree(ROOT / "simulate", context / "simulate", ignore=shutil.ignore_patterns("__pycache__"))
+    tag = f"{FAKE_ENGINE}:{TAG}"
+    done = build_file(podman, Path(__file__).with_name("Dockerfile.fake-engine"), tag, context)
+    if done.returncode != 0:
+        raise AssertionError(f"the fake engine's image does not build:\n{tail(done.stdout + done.stderr, 60)}")
+    return tag
+
+
+def save(podman: Podman, tags: Sequence[str], archive: Path) -> Path:
+    """The images as one docker-archive, as ``podman save`` gives it to a user who moves images by hand."""
+    podman.run("save", "--format", "docker-archive", "-m", "-o", str(archive), *tags, timeout_s=SAVE_TIMEOUT_S)
+    return archive
+
+
+def overlay(
+    directory: Path, base: str, images: Sequence[Mapping[str, str]], patches: Sequence[Mapping[str, Any]] = ()
+) -> Path:
+    """A user's kustomization over the shipped directory ``base``: its ``images:`` and ``patches``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    kustomization: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(ROOT / base, directory)],  # kustomize takes no absolute path
+        "images": [dict(image) for image in images],
+    }
+    if patches:
+        kustomization["patches"] = [dict(patch) for patch in patches]
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
+    return directory
+
+
+def ours(*programs: str) -> list[dict[str, str]]:
+    """``images:`` entries that point the shipped images at the ones built here."""
+    return [{"name": tag_of(program).rpartition(":")[0], "newTag": TAG} for program in programs]
+
+
+def json_patch(kind: str, name: str, operations: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {"target": {"kind": kind, "name": name}, "patch": json.dumps(list(operations))}
+
+
+def agent_overlay(directory: Path, device: str) -> Path:
+    """daemonset/imds-mode with the agent's image, and the cache's disk named by ``--model-cache-devices``
+    (docs/model-cache.md): this machine's instance store is a loop device, which discovery by the disks' model
+    name (Amazon EC2 NVMe Instance Storage) rightly passes over."""
+    devices = {
+        "op": "add",
+        "path": "/spec/template/spec/initContainers/0/args/-",
+        "value": f"--model-cache-devices={device}",
+    }
+    return overlay(
+        directory, "daemonset/imds-mode", ours("agent"), [json_patch("DaemonSet", "spotdrain-node", [devices])]
+    )
+
+
+def webhook_overlay(directory: Path) -> Path:
+    """deploy/webhook/self-managed with the webhook's image, and the sidecar image it injects in its
+    SPOTDRAIN_SIDECAR_IMAGE, which README.md says to patch because images: does not reach it."""
+    env = [{"name": "SPOTDRAIN_SIDECAR_IMAGE", "value": tag_of("sidecar")}]
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "spotdrain-webhook", "namespace": "spotdrain"},
+        "spec": {"template": {"spec": {"containers": [{"name": "webhook", "env": env}]}}},
+    }
+    patch = {"patch": yaml.safe_dump(deployment)}  # a strategic merge: env entries merge by name
+    return overlay(directory, "deploy/webhook/self-managed", ours("webhook"), [patch])
+
+
+def vllm_overlay(directory: Path, endpoint: str) -> Path:
+    """deploy/vllm as it fits here. What changes, and why:
+
+    - the engine's image is the fake engine's (vLLM needs a GPU this machine lacks), with the fake's flags in place
+      of vLLM's: the same port, the served name, and ``--model-dir`` at the fetched model, which it reads before it
+      listens as vLLM loads it; ``--host 0.0.0.0`` because the kubelet probes the pod's address;
+    - its requests (4 cores, 32 GiB) down to what the fake needs, the GPU kept: the machine has 2 cores and 24 GB;
+    - one replica: the spread over hosts is strict, and there is one Spot GPU node;
+    - the model-fetch init container gets the S3 endpoint (``AWS_ENDPOINT_URL``, docs/model-cache.md) and moto's
+      credentials in the environment, where EKS's pod identity webhook would give the IRSA role's.
+    """
+    engine_args = ["--host", "0.0.0.0", "--port", "8000", "--model", "Qwen/Qwen2.5-7B-Instruct"]
+    engine_args += ["--model-dir", f"/mnt/model-cache/models/{MODEL}"]
+    resources = {"requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"}}
+    resources["limits"] = {"memory": "256Mi", "nvidia.com/gpu": "1"}
+    credentials = [
+        {"name": "AWS_ENDPOINT_URL", "value": endpoint},
+        {"name": "AWS_ACCESS_KEY_ID", "value": "testing"},
+        {"name": "AWS_SECRET_ACCESS_KEY", "value": "testing"},
+    ]
+    template = "/spec/template/spec"
+    operations: list[dict[str, Any]] = [
+        {"op": "replace", "path": "/spec/replicas", "value": 1},
+        {"op": "test", "path": f"{template}/containers/0/name", "value": "vllm"},
+        {"op": "replace", "path": f"{template}/containers/0/args", "value": engine_args},
+        {"op": "replace", "path": f"{template}/containers/0/resources", "value": resources},
+        {"op": "test", "path": f"{template}/initContainers/0/name", "value": "model-fetch"},
+        {"op": "add", "path": f"{template}/initContainers/0/env", "value": credentials},
+    ]
+    images = [*ours("agent", "sidecar"), {"name": "vllm/vllm-openai", "newName": FAKE_ENGINE, "newTag": TAG}]
+    return overlay(directory, "deploy/vllm", images, [json_patch("Deployment", "vllm", operations)])

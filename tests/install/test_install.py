@@ -1,0 +1,294 @@
+"""spotdrain installed on the real nodes exactly as README.md's "Install" and "Model cache" tell a user (the images
+built from the Dockerfiles, each step a ``kubectl apply -k`` of the shipped directory through an overlay that sets
+only ``images:`` and what the docs say to set: ``installing.py``), and what a user looks at then: the agent's init
+container makes the cache on the node's disk and lifts the node's startup taint; the webhook gives pods the
+sidecar; the model uploaded to S3 is fetched onto the cache and the engine pod becomes Ready with it; ``spotdrain
+check`` finds nothing wrong, and finds each piece broken on purpose. What the install saw is printed as a timeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+
+from simulate.model import tiny_checkpoint
+from tests.install import installing
+from tests.install.conftest import SPOT, STABLE, Images
+from tests.install.engine import ROOT, Podman, tag_of
+from tests.install.node import Cluster
+
+CACHE = Path("/mnt/model-cache")  # the agent's hostPath, on the machine every node shares
+STATE = Path("/var/lib/spotdrain")  # the agent's state hostPath, made by the kubelet if absent
+STARTUP_TAINT = "spotdrain.io/model-cache-pending"
+CACHE_DISK_BYTES = 512 << 20  # mkfs.xfs refuses a filesystem under 300 MB
+READY_WITHIN_S = 240.0
+
+
+@dataclass
+class Installed:
+    cluster: Cluster
+    device: str
+    overlays: dict[str, Path]
+    timeline: installing.Timeline
+
+
+@pytest.fixture(scope="module")
+def installed(
+    shared_cluster: Cluster, images: Images, podman: Podman, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Installed]:
+    """The install of README.md, once for the module; the cluster's stop takes it away."""
+    cluster, directory = shared_cluster, tmp_path_factory.mktemp("install")
+    made_state = not STATE.exists()
+    s3 = ThreadedMotoServer(ip_address="10.213.0.1", port=0, verbose=False)  # the host side of the nodes' veths
+    timeline = installing.Timeline()
+    try:
+        yield install(cluster, images, podman, s3, directory, timeline)
+    finally:
+        s3.stop()
+        print("\n" + "\n".join(timeline.lines()))
+        if made_state and STATE.is_dir() and not any(STATE.iterdir()):
+            STATE.rmdir()
+
+
+def install(
+    cluster: Cluster,
+    images: Images,
+    podman: Podman,
+    s3: ThreadedMotoServer,
+    directory: Path,
+    timeline: installing.Timeline,
+) -> Installed:
+    tags = [images(program).tag for program in ("agent", "sidecar", "webhook")]
+    tags.append(installing.build_fake_engine(podman, directory))
+    timeline.note("images built")
+    cluster.import_image(installing.save(podman, tags, directory / "images.tar"))
+    timeline.note("images imported into the nodes")
+    s3.start()
+    endpoint = "http://{}:{}".format(*s3.get_host_and_port())
+    upload_model(endpoint, directory / "model")
+    timeline.note(f"model uploaded to s3://{installing.BUCKET}/models/{installing.MODEL}/")
+    cluster.share(CACHE)
+    device = cluster.attach_loop(CACHE_DISK_BYTES)
+    overlays = {
+        "agent": installing.agent_overlay(directory / "agent", device),
+        "webhook": installing.webhook_overlay(directory / "webhook"),
+        "vllm": installing.vllm_overlay(directory / "vllm", endpoint),
+    }
+    cluster.kubectl("apply", "-k", str(overlays["agent"]))
+    timeline.note("applied daemonset/imds-mode")
+    cluster.kubectl("apply", "-k", str(overlays["webhook"]))
+    timeline.note("applied deploy/webhook/self-managed")
+    label_namespace(cluster, timeline)
+    cluster.kubectl("apply", "-k", str(overlays["vllm"]))
+    timeline.note("applied deploy/vllm")
+    return Installed(cluster, device, overlays, timeline)
+
+
+def upload_model(endpoint: str, directory: Path) -> None:
+    """The tiny checkpoint uploaded file by file with boto3's upload_file, as a user's script would."""
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=installing.BUCKET)
+    for name, data in tiny_checkpoint().items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        client.upload_file(str(path), installing.BUCKET, f"models/{installing.MODEL}/{name}")
+
+
+def label_namespace(cluster: Cluster, timeline: installing.Timeline) -> None:
+    """README.md's ``kubectl label namespace inference spotdrain.io/inject=true``. The namespace is deploy/vllm's,
+    applied after it: where the label finds no namespace, it is made first, as a user then must."""
+    labelled = cluster.kubectl("label", "namespace", "inference", "spotdrain.io/inject=true", check=False)
+    if not labelled:
+        timeline.note("kubectl label namespace inference: no such namespace yet; created it")
+        cluster.kubectl("create", "namespace", "inference")
+        cluster.kubectl("label", "namespace", "inference", "spotdrain.io/inject=true")
+    timeline.note("labelled namespace inference")
+
+
+def ready_pods(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    pods: list[dict[str, Any]] = cluster.get("pods", "-n", namespace, "-l", selector)["items"]
+    return [p for p in pods if {"type": "Ready", "status": "True"}.items() <= _condition(p, "Ready").items()]
+
+
+def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in pod["status"].get("conditions", []) if c["type"] == kind), {})
+
+
+def wait_ready(installed: Installed, namespace: str, selector: str, what: str) -> dict[str, Any]:
+    cluster = installed.cluster
+
+    def found() -> dict[str, Any] | None:
+        pods = ready_pods(cluster, namespace, selector)
+        return pods[0] if pods else None
+
+    try:
+        pod: dict[str, Any] = cluster.wait_for(what, found, within_s=READY_WITHIN_S)
+    except TimeoutError:
+        pods = cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False)
+        described = cluster.kubectl("describe", "pods", "-n", namespace, "-l", selector, check=False)
+        raise AssertionError(f"{what} not within {READY_WITHIN_S} s\n{pods}\n{described[-6000:]}") from None
+    installed.timeline.note(what)
+    return pod
+
+
+def findings(cluster: Cluster) -> list[dict[str, Any]]:
+    """``spotdrain check --output json`` run from the host with the administrator's kubeconfig."""
+    argv = [sys.executable, "-m", "spotdrain.cli", "check", "--output", "json", "--kubeconfig", str(cluster.kubeconfig)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode in (0, 1), f"spotdrain check could not read the cluster: {done.stdout}{done.stderr}"
+    found: list[dict[str, Any]] = json.loads(done.stdout)
+    errors = [f for f in found if f["severity"] == "error"]
+    assert (done.returncode == 1) == bool(errors), done.stdout
+    return found
+
+
+def errors(found: list[dict[str, Any]]) -> list[str]:
+    return [f"{f['check']}: {f['message']} {f['objects']}" for f in found if f["severity"] == "error"]
+
+
+def test_the_agents_init_container_makes_the_cache_on_the_disk_and_lifts_the_startup_taint(
+    installed: Installed,
+) -> None:
+    cluster = installed.cluster
+
+    def untainted() -> dict[str, Any] | None:
+        node = cluster.get("node", SPOT.name)
+        return None if any(t["key"] == STARTUP_TAINT for t in node["spec"].get("taints", [])) else node
+
+    try:
+        node = cluster.wait_for("the startup taint lifted", untainted, within_s=READY_WITHIN_S)
+    except TimeoutError:
+        logs = cluster.kubectl("logs", "-n", "spotdrain", "daemonset/spotdrain-node", "-c", "model-cache", check=False)
+        described = cluster.kubectl("describe", "pods", "-n", "spotdrain", check=False)
+        raise AssertionError(f"the startup taint stayed\n{logs[-4000:]}\n{described[-6000:]}") from None
+    installed.timeline.note(f"{STARTUP_TAINT} taint lifted")
+    assert node["metadata"]["labels"]["spotdrain.io/model-cache"] == "ready"
+    # the share's bind of the host directory, and over it (the last line) the cache the init container mounted
+    mounts = subprocess.run(
+        ["findmnt", "-n", "-o", "SOURCE,FSTYPE", str(CACHE)], capture_output=True, text=True, timeout=30
+    ).stdout.splitlines()
+    mounted = mounts[-1].split() if mounts else []
+    assert mounted == [installed.device, "xfs"], f"{CACHE}: {mounted}"
+    pod = wait_ready(installed, "spotdrain", "app.kubernetes.io/name=spotdrain-node", "agent pod Ready")
+    assert pod["spec"]["nodeName"] == SPOT.name
+    init = pod["status"]["initContainerStatuses"][0]
+    assert init["name"] == "model-cache"
+    assert init["state"]["terminated"]["exitCode"] == 0
+    assert not cluster.get(
+        "pods",
+        "-n",
+        "spotdrain",
+        "-l",
+        "app.kubernetes.io/name=spotdrain-node",
+        "--field-selector",
+        f"spec.nodeName={STABLE.name}",
+    )["items"], "an agent on a non-GPU node"
+
+
+def test_the_webhook_gives_a_gpu_pod_in_the_labelled_namespace_the_sidecar(installed: Installed) -> None:
+    cluster = installed.cluster
+    hook = wait_ready(installed, "spotdrain", "app.kubernetes.io/name=spotdrain-webhook", "a webhook replica Ready")
+    assert hook["spec"]["nodeName"] == STABLE.name
+    gpu = {"nvidia.com/gpu": "1"}
+    engine = {"name": "engine", "image": f"{installing.FAKE_ENGINE}:{installing.TAG}"}
+    metadata = {"name": "a-users-engine", "namespace": "inference"}
+    spec = {"containers": [{**engine, "resources": {"requests": gpu, "limits": gpu}}]}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+    def injected() -> dict[str, Any] | None:
+        # server-side dry run: the API server calls the admission webhooks, and stores nothing
+        made = json.loads(cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod)))
+        names = {c["name"]: c for c in made["spec"]["containers"]}
+        return names if "spotdrain" in names else None
+
+    # the API server reaches the webhook once its endpoint is listed and the caBundle written
+    containers = cluster.wait_for("the sidecar injected", injected, within_s=60)
+    installed.timeline.note("the webhook injected the sidecar into a pod")
+    assert containers["spotdrain"]["image"] == tag_of("sidecar")
+    assert containers["spotdrain"]["command"][:2] == ["spotdrain", "sidecar"]
+
+
+def test_the_model_is_fetched_onto_the_cache_and_the_engine_pod_becomes_ready_behind_the_sidecar(
+    installed: Installed,
+) -> None:
+    cluster = installed.cluster
+    pod = wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready")
+    assert pod["spec"]["nodeName"] == SPOT.name
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    assert containers["spotdrain"]["image"] == tag_of("sidecar")
+    # Ready only through the readiness gate the sidecar sets over the API
+    assert _condition(pod, "spotdrain.io/serving")["status"] == "True"
+    fetch = pod["status"]["initContainerStatuses"][0]
+    assert fetch["name"] == "model-fetch"
+    assert fetch["state"]["terminated"]["exitCode"] == 0
+    fetched = CACHE / "models" / installing.MODEL
+    assert {p.name for p in fetched.iterdir() if p.is_file()} >= set(tiny_checkpoint())
+    for name, data in tiny_checkpoint().items():
+        assert (fetched / name).read_bytes() == data, name
+    metrics = cluster.kubectl(
+        "get", "--raw", "/api/v1/namespaces/inference/pods/{}:8000/proxy/metrics".format(pod["metadata"]["name"])
+    )
+    assert "vllm:num_requests_running" in metrics
+
+
+def test_spotdrain_check_finds_nothing_wrong_with_the_install(installed: Installed) -> None:
+    wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready (for the check)")
+    found = findings(installed.cluster)
+    warned = [f"{f['check']}: {f['message']}" for f in found if f["severity"] == "warning"]
+    installed.timeline.note(f"spotdrain check: {len(found)} findings, no error, warnings: {warned or 'none'}")
+    assert not errors(found)
+    assert {"agent", "sidecar-injection", "budgets", "webhook"} <= {f["check"] for f in found}
+
+
+BREAKAGES = {
+    # README.md: every PodDisruptionBudget over pods with the sidecar needs unhealthyPodEvictionPolicy: AlwaysAllow
+    "budgets": (
+        "patch",
+        "pdb",
+        "vllm",
+        "-n",
+        "inference",
+        "--type=json",
+        "-p",
+        '[{"op": "remove", "path": "/spec/unhealthyPodEvictionPolicy"}]',
+    ),
+    # a namespace labelled for injection and no webhook answering
+    "webhook": ("scale", "deployment", "spotdrain-webhook", "-n", "spotdrain", "--replicas=0"),
+}
+WEBHOOK = "app.kubernetes.io/name=spotdrain-webhook"
+
+
+@pytest.mark.parametrize("check", BREAKAGES)
+def test_spotdrain_check_reports_a_piece_broken_on_purpose_until_it_is_restored(
+    installed: Installed, check: str
+) -> None:
+    cluster = installed.cluster
+    cluster.kubectl(*BREAKAGES[check])
+    try:
+        if check == "webhook":
+            cluster.wait_for(
+                "no webhook pod", lambda: not cluster.get("pods", "-n", "spotdrain", "-l", WEBHOOK)["items"]
+            )
+        broken = errors(findings(cluster))
+        installed.timeline.note(f"spotdrain check with the {check} broken: {len(broken)} error(s)")
+        assert any(line.startswith(f"{check}:") for line in broken), broken
+    finally:
+        cluster.kubectl("apply", "-k", str(installed.overlays["vllm"]))
+        cluster.kubectl("apply", "-k", str(installed.overlays["webhook"]))
+    wait_ready(installed, "spotdrain", WEBHOOK, f"a webhook replica Ready again after the {check} check")
+    assert not errors(findings(cluster))
