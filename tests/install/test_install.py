@@ -147,8 +147,11 @@ def wait_ready(installed: Installed, namespace: str, selector: str, what: str) -
 
 
 def findings(cluster: Cluster) -> list[dict[str, Any]]:
-    """``spotdrain check --output json`` run from the host with the administrator's kubeconfig."""
-    argv = [sys.executable, "-m", "spotdrain.cli", "check", "--output", "json", "--kubeconfig", str(cluster.kubeconfig)]
+    """``spotdrain check --output json`` run from the host with the administrator's kubeconfig, on the install's
+    namespace as docs/check.md shows (the agents are always checked): the cluster also holds test_node.py's pods,
+    among them a GPU pod without the sidecar in ``default``, which the check rightly reports."""
+    argv = [sys.executable, "-m", "spotdrain.cli", "check", "--output", "json", "--namespace", "inference"]
+    argv += ["--kubeconfig", str(cluster.kubeconfig)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode in (0, 1), f"spotdrain check could not read the cluster: {done.stdout}{done.stderr}"
     found: list[dict[str, Any]] = json.loads(done.stdout)
