@@ -243,10 +243,15 @@ def test_the_model_is_fetched_onto_the_cache_and_the_engine_pod_becomes_ready_be
     assert {p.name for p in fetched.iterdir() if p.is_file()} >= set(tiny_checkpoint())
     for name, data in tiny_checkpoint().items():
         assert (fetched / name).read_bytes() == data, name
-    metrics = cluster.kubectl(
-        "get", "--raw", "/api/v1/namespaces/inference/pods/{}:8000/proxy/metrics".format(pod["metadata"]["name"])
-    )
-    assert "vllm:num_requests_running" in metrics
+    proxy = f"/api/v1/namespaces/inference/pods/{pod['metadata']['name']}:8000/proxy"
+    request = {"model": "Qwen/Qwen2.5-7B-Instruct", "prompt": "Hello", "max_tokens": 8, "stream": True}
+    # kubectl create --raw POSTs the file it is given; the answer comes back whole once the stream ends
+    streamed = cluster.kubectl("create", "--raw", f"{proxy}/v1/completions", "-f", "-", input=json.dumps(request))
+    chunks = [line.removeprefix("data: ") for line in streamed.splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]", streamed
+    assert len(chunks) > 2, streamed
+    assert "vllm:num_requests_running" in cluster.kubectl("get", "--raw", f"{proxy}/metrics")
+    installed.timeline.note("a completion streamed from the engine through the API server's proxy")
 
 
 def test_spotdrain_check_finds_nothing_wrong_with_the_install(installed: Installed) -> None:
