@@ -13,13 +13,12 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
 
 from simulate.fakes.processes import free_port, start, stop, wait_http
+from tests.distributions import closure, normalized, requirements
 
 EXTRAS = ("node", "inject", "webhook", "gateway")
 HIDE = """
@@ -33,38 +32,13 @@ sys.meta_path.insert(0, Hidden())
 """
 
 
-def _requirements(extra: str) -> list[Requirement]:
-    """The base install's requirements (``extra`` empty), or those ``extra`` adds."""
-    found = [Requirement(text) for text in metadata.requires("spotdrain") or []]
-    if not extra:
-        return [r for r in found if r.marker is None]
-    return [r for r in found if r.marker is not None and r.marker.evaluate({"extra": extra})]
-
-
-def _closure(names: Iterable[str]) -> set[str]:
-    """The distributions ``names`` need, with theirs (only those installed here, without extras of their own)."""
-    seen: set[str] = set()
-    todo = [n for n in names if n != "spotdrain"]
-    while todo:
-        name = todo.pop().lower().replace("_", "-")
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            needs = metadata.requires(name) or []
-        except metadata.PackageNotFoundError:
-            continue
-        todo += [r.name for r in map(Requirement, needs) if r.marker is None or r.marker.evaluate({"extra": ""})]
-    return seen
-
-
 def hidden_modules() -> set[str]:
-    base = _closure(r.name for r in _requirements(""))
-    extras = _closure(r.name for extra in EXTRAS for r in _requirements(extra)) - base
+    base = closure(r.name for r in requirements(""))
+    extras = closure(r.name for extra in EXTRAS for r in requirements(extra)) - base
     modules: dict[str, set[str]] = {}
     for module, distributions in metadata.packages_distributions().items():
         for distribution in distributions:
-            modules.setdefault(distribution.lower().replace("_", "-"), set()).add(module)
+            modules.setdefault(normalized(distribution), set()).add(module)
     return {module for distribution in extras for module in modules.get(distribution, ())}
 
 
