@@ -34,9 +34,10 @@ class NodeSpec:
 
 
 def spot_node(
-    name: str = "ip-10-213-0-2.ec2.internal", instance_id: str = "i-0e2e000000000spot", taints: Sequence[str] = ()
+    name: str = "ip-10-213-0-2.ec2.internal", instance_id: str = "i-0e2e0000000005b01", taints: Sequence[str] = ()
 ) -> NodeSpec:
-    """A g5.xlarge Spot node with the labels Karpenter gives one, which the agent's DaemonSet selects by
+    """A g5.xlarge Spot node with the labels Karpenter gives one (its instance id as EC2 makes them, ``i-`` and 17
+    hex digits: the agent refuses any other from IMDS), which the agent's DaemonSet selects by
     ``karpenter.k8s.aws/instance-gpu-count``, and its one ``nvidia.com/gpu`` (advertised, not there)."""
     labels = {"karpenter.sh/capacity-type": "spot", "node.kubernetes.io/instance-type": "g5.xlarge"}
     labels |= {"topology.kubernetes.io/zone": "us-east-1a", "karpenter.sh/nodepool": "gpu-spot"}
@@ -46,7 +47,7 @@ def spot_node(
     return NodeSpec(name, labels, tuple(taints), f"aws:///us-east-1a/{instance_id}", {"nvidia.com/gpu": "1"})
 
 
-def stable_node(name: str = "ip-10-213-1-2.ec2.internal", instance_id: str = "i-0e2e00000000stable") -> NodeSpec:
+def stable_node(name: str = "ip-10-213-1-2.ec2.internal", instance_id: str = "i-0e2e0000000005b02") -> NodeSpec:
     """An on-demand node beside it, for what must not run on Spot."""
     labels = {"karpenter.sh/capacity-type": "on-demand", "node.kubernetes.io/instance-type": "m6i.large"}
     labels |= {"topology.kubernetes.io/zone": "us-east-1a", "karpenter.sh/nodepool": "stable"}
