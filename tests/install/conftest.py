@@ -10,9 +10,10 @@ from dataclasses import replace
 
 import pytest
 import yaml
+from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 
+from tests.install import installing, sweep
 from tests.install import node as real_node
-from tests.install import sweep
 from tests.install.engine import ROOT, Built, Podman, Unavailable, build, open_store, prune
 
 collect_ignore_glob = [] if os.environ.get("SPOTDRAIN_E2E_TIER") == "1" else ["test_*.py"]
@@ -100,6 +101,26 @@ def shared_cluster() -> Iterator[real_node.Cluster]:
         _stop_shared()
 
 
+@pytest.fixture(scope="session")
+def installed(
+    shared_cluster: real_node.Cluster, images: Images, podman: Podman, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[installing.Installed]:
+    """The install of README.md, once for the run: test_install.py checks it, then test_notice.py interrupts its
+    node; the cluster's stop takes it away."""
+    cluster, directory = shared_cluster, tmp_path_factory.mktemp("install")
+    made_state = not installing.STATE.exists()
+    s3 = ThreadedMotoServer(ip_address="10.213.0.1", port=0, verbose=False)  # the host side of the nodes' veths
+    timeline = installing.Timeline()
+    tags = [images(program).tag for program in ("agent", "sidecar", "webhook")]
+    try:
+        yield installing.install(cluster, tags, podman, s3, directory, timeline)
+    finally:
+        s3.stop()
+        print("\n" + "\n".join(timeline.lines()))
+        if made_state and installing.STATE.is_dir() and not any(installing.STATE.iterdir()):
+            installing.STATE.rmdir()
+
+
 def _stop_shared() -> None:
     """Stop the shared cluster if it runs, and check it left nothing on the machine."""
     if not _SHARED:
@@ -113,9 +134,10 @@ def _stop_shared() -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The install after test_node.py, which checks the nodes as they registered (the startup taint still on),
-    and test_node_stop.py last, once the shared cluster has stopped."""
-    rank = {"test_install.py": 1, "test_node_stop.py": 2}
+    """The install after test_node.py, which checks the nodes as they registered (the startup taint still on), the
+    Spot notice after the install's checks (it leaves the node cordoned and the engine pod evicted), and
+    test_node_stop.py last, once the shared cluster has stopped."""
+    rank = {"test_install.py": 1, "test_notice.py": 2, "test_node_stop.py": 3}
     items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: each module's own order stays
 
 

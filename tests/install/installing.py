@@ -10,12 +10,17 @@ import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
 import yaml
+from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 
+from simulate.model import tiny_checkpoint
 from tests.install.engine import ROOT, Podman, build_file, tag_of, tail
+from tests.install.node import Cluster
 
 # Named for the vllm/vllm-openai image it stands in for: the webhook tells a pod's engine by its image's name.
 FAKE_ENGINE = "localhost/spotdrain-e2e/vllm-openai-fake"
@@ -141,3 +146,78 @@ def vllm_overlay(directory: Path, endpoint: str) -> Path:
     ]
     images = [*ours("agent", "sidecar"), {"name": "vllm/vllm-openai", "newName": FAKE_ENGINE, "newTag": TAG}]
     return overlay(directory, "deploy/vllm", images, [json_patch("Deployment", "vllm", operations)])
+
+
+CACHE = Path("/mnt/model-cache")  # the agent's hostPath, on the machine every node shares
+STATE = Path("/var/lib/spotdrain")  # the agent's state hostPath, made by the kubelet if absent
+CACHE_DISK_BYTES = 512 << 20  # mkfs.xfs refuses a filesystem under 300 MB
+
+
+@dataclass
+class Installed:
+    cluster: Cluster
+    device: str
+    overlays: dict[str, Path]
+    timeline: Timeline
+
+
+def install(
+    cluster: Cluster,
+    tags: list[str],
+    podman: Podman,
+    s3: ThreadedMotoServer,
+    directory: Path,
+    timeline: Timeline,
+) -> Installed:
+    """The images imported, the model uploaded, then each step of README.md applied; returns at once."""
+    tags = [*tags, build_fake_engine(podman, directory)]
+    timeline.note("images built")
+    cluster.import_image(save(podman, tags, directory / "images.tar"))
+    timeline.note("images imported into the nodes")
+    s3.start()
+    endpoint = "http://{}:{}".format(*s3.get_host_and_port())
+    upload_model(endpoint, directory / "model")
+    timeline.note(f"model uploaded to s3://{BUCKET}/models/{MODEL}/")
+    cluster.share(CACHE)
+    device = cluster.attach_loop(CACHE_DISK_BYTES)
+    overlays = {
+        "agent": agent_overlay(directory / "agent", device),
+        "webhook": webhook_overlay(directory / "webhook"),
+        "vllm": vllm_overlay(directory / "vllm", endpoint),
+    }
+    cluster.kubectl("apply", "-k", str(overlays["agent"]))
+    timeline.note("applied daemonset/imds-mode")
+    cluster.kubectl("apply", "-k", str(overlays["webhook"]))
+    timeline.note("applied deploy/webhook/self-managed")
+    label_namespace(cluster, timeline)
+    cluster.kubectl("apply", "-k", str(overlays["vllm"]))
+    timeline.note("applied deploy/vllm")
+    return Installed(cluster, device, overlays, timeline)
+
+
+def upload_model(endpoint: str, directory: Path) -> None:
+    """The tiny checkpoint uploaded file by file with boto3's upload_file, as a user's script would."""
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=BUCKET)
+    for name, data in tiny_checkpoint().items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        client.upload_file(str(path), BUCKET, f"models/{MODEL}/{name}")
+
+
+def label_namespace(cluster: Cluster, timeline: Timeline) -> None:
+    """README.md's ``kubectl label namespace inference spotdrain.io/inject=true``. The namespace is deploy/vllm's,
+    applied after it: where the label finds no namespace, it is made first, as a user then must."""
+    labelled = cluster.kubectl("label", "namespace", "inference", "spotdrain.io/inject=true", check=False)
+    if not labelled:
+        timeline.note("kubectl label namespace inference: no such namespace yet; created it")
+        cluster.kubectl("create", "namespace", "inference")
+        cluster.kubectl("label", "namespace", "inference", "spotdrain.io/inject=true")
+    timeline.note("labelled namespace inference")

@@ -10,114 +10,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
-from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 
 from simulate.model import tiny_checkpoint
 from tests.install import installing
-from tests.install.conftest import SPOT, STABLE, Images
-from tests.install.engine import ROOT, Podman, tag_of
+from tests.install.conftest import SPOT, STABLE
+from tests.install.engine import ROOT, tag_of
 from tests.install.node import Cluster
 
-CACHE = Path("/mnt/model-cache")  # the agent's hostPath, on the machine every node shares
-STATE = Path("/var/lib/spotdrain")  # the agent's state hostPath, made by the kubelet if absent
-STARTUP_TAINT = "spotdrain.io/model-cache-pending"
-CACHE_DISK_BYTES = 512 << 20  # mkfs.xfs refuses a filesystem under 300 MB
 READY_WITHIN_S = 240.0
-
-
-@dataclass
-class Installed:
-    cluster: Cluster
-    device: str
-    overlays: dict[str, Path]
-    timeline: installing.Timeline
-
-
-@pytest.fixture(scope="module")
-def installed(
-    shared_cluster: Cluster, images: Images, podman: Podman, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Installed]:
-    """The install of README.md, once for the module; the cluster's stop takes it away."""
-    cluster, directory = shared_cluster, tmp_path_factory.mktemp("install")
-    made_state = not STATE.exists()
-    s3 = ThreadedMotoServer(ip_address="10.213.0.1", port=0, verbose=False)  # the host side of the nodes' veths
-    timeline = installing.Timeline()
-    try:
-        yield install(cluster, images, podman, s3, directory, timeline)
-    finally:
-        s3.stop()
-        print("\n" + "\n".join(timeline.lines()))
-        if made_state and STATE.is_dir() and not any(STATE.iterdir()):
-            STATE.rmdir()
-
-
-def install(
-    cluster: Cluster,
-    images: Images,
-    podman: Podman,
-    s3: ThreadedMotoServer,
-    directory: Path,
-    timeline: installing.Timeline,
-) -> Installed:
-    tags = [images(program).tag for program in ("agent", "sidecar", "webhook")]
-    tags.append(installing.build_fake_engine(podman, directory))
-    timeline.note("images built")
-    cluster.import_image(installing.save(podman, tags, directory / "images.tar"))
-    timeline.note("images imported into the nodes")
-    s3.start()
-    endpoint = "http://{}:{}".format(*s3.get_host_and_port())
-    upload_model(endpoint, directory / "model")
-    timeline.note(f"model uploaded to s3://{installing.BUCKET}/models/{installing.MODEL}/")
-    cluster.share(CACHE)
-    device = cluster.attach_loop(CACHE_DISK_BYTES)
-    overlays = {
-        "agent": installing.agent_overlay(directory / "agent", device),
-        "webhook": installing.webhook_overlay(directory / "webhook"),
-        "vllm": installing.vllm_overlay(directory / "vllm", endpoint),
-    }
-    cluster.kubectl("apply", "-k", str(overlays["agent"]))
-    timeline.note("applied daemonset/imds-mode")
-    cluster.kubectl("apply", "-k", str(overlays["webhook"]))
-    timeline.note("applied deploy/webhook/self-managed")
-    label_namespace(cluster, timeline)
-    cluster.kubectl("apply", "-k", str(overlays["vllm"]))
-    timeline.note("applied deploy/vllm")
-    return Installed(cluster, device, overlays, timeline)
-
-
-def upload_model(endpoint: str, directory: Path) -> None:
-    """The tiny checkpoint uploaded file by file with boto3's upload_file, as a user's script would."""
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-    client.create_bucket(Bucket=installing.BUCKET)
-    for name, data in tiny_checkpoint().items():
-        path = directory / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        client.upload_file(str(path), installing.BUCKET, f"models/{installing.MODEL}/{name}")
-
-
-def label_namespace(cluster: Cluster, timeline: installing.Timeline) -> None:
-    """README.md's ``kubectl label namespace inference spotdrain.io/inject=true``. The namespace is deploy/vllm's,
-    applied after it: where the label finds no namespace, it is made first, as a user then must."""
-    labelled = cluster.kubectl("label", "namespace", "inference", "spotdrain.io/inject=true", check=False)
-    if not labelled:
-        timeline.note("kubectl label namespace inference: no such namespace yet; created it")
-        cluster.kubectl("create", "namespace", "inference")
-        cluster.kubectl("label", "namespace", "inference", "spotdrain.io/inject=true")
-    timeline.note("labelled namespace inference")
+STARTUP_TAINT = "spotdrain.io/model-cache-pending"
+CACHE = installing.CACHE
 
 
 def ready_pods(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -129,7 +34,7 @@ def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in pod["status"].get("conditions", []) if c["type"] == kind), {})
 
 
-def wait_ready(installed: Installed, namespace: str, selector: str, what: str) -> dict[str, Any]:
+def wait_ready(installed: installing.Installed, namespace: str, selector: str, what: str) -> dict[str, Any]:
     cluster = installed.cluster
 
     def found() -> dict[str, Any] | None:
@@ -165,7 +70,7 @@ def errors(found: list[dict[str, Any]]) -> list[str]:
 
 
 def test_the_agents_init_container_makes_the_cache_on_the_disk_and_lifts_the_startup_taint(
-    installed: Installed,
+    installed: installing.Installed,
 ) -> None:
     cluster = installed.cluster
 
@@ -203,7 +108,7 @@ def test_the_agents_init_container_makes_the_cache_on_the_disk_and_lifts_the_sta
     )["items"], "an agent on a non-GPU node"
 
 
-def test_the_webhook_gives_a_gpu_pod_in_the_labelled_namespace_the_sidecar(installed: Installed) -> None:
+def test_the_webhook_gives_a_gpu_pod_in_the_labelled_namespace_the_sidecar(installed: installing.Installed) -> None:
     cluster = installed.cluster
     hook = wait_ready(installed, "spotdrain", "app.kubernetes.io/name=spotdrain-webhook", "a webhook replica Ready")
     assert hook["spec"]["nodeName"] == STABLE.name
@@ -227,7 +132,7 @@ def test_the_webhook_gives_a_gpu_pod_in_the_labelled_namespace_the_sidecar(insta
 
 
 def test_the_model_is_fetched_onto_the_cache_and_the_engine_pod_becomes_ready_behind_the_sidecar(
-    installed: Installed,
+    installed: installing.Installed,
 ) -> None:
     cluster = installed.cluster
     pod = wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready")
@@ -254,7 +159,7 @@ def test_the_model_is_fetched_onto_the_cache_and_the_engine_pod_becomes_ready_be
     installed.timeline.note("a completion streamed from the engine through the API server's proxy")
 
 
-def test_spotdrain_check_finds_nothing_wrong_with_the_install(installed: Installed) -> None:
+def test_spotdrain_check_finds_nothing_wrong_with_the_install(installed: installing.Installed) -> None:
     wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready (for the check)")
     found = findings(installed.cluster)
     warned = [f"{f['check']}: {f['message']}" for f in found if f["severity"] == "warning"]
@@ -283,7 +188,7 @@ WEBHOOK = "app.kubernetes.io/name=spotdrain-webhook"
 
 @pytest.mark.parametrize("check", BREAKAGES)
 def test_spotdrain_check_reports_a_piece_broken_on_purpose_until_it_is_restored(
-    installed: Installed, check: str
+    installed: installing.Installed, check: str
 ) -> None:
     cluster = installed.cluster
     cluster.kubectl(*BREAKAGES[check])

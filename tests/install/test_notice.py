@@ -1,0 +1,274 @@
+"""A Spot interruption notice served by the fake IMDS on the node where the install of test_install.py runs, while
+completions stream from its engine pod through the API server's proxy, as a client's would: the agent taints,
+cordons and annotates the node, the sidecar takes the pod out of rotation, every open stream ends whole, and the pod
+is evicted and gone once the last one has ended, the engine stopping with nothing in flight. Each moment is printed
+as a timeline (``pytest -s``). It leaves the node cordoned, so it runs after the install's checks."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from spotdrain.clock import rfc3339
+from tests.install import installing, network
+from tests.install.conftest import SPOT
+from tests.install.node import Cluster
+from tests.install.test_install import wait_ready
+
+STREAMS = (250, 300, 350)  # max_tokens of each stream: 5-7 s at the fake engine's 50 tokens/s
+NOTICE_AFTER_S = 2.0  # the streams under way when the notice comes
+DEADLINE_S = 120  # AWS's two minutes
+OUT_OF_ROTATION_TARGET_S = 1.0  # the design's target, from the agent reading the notice
+# measured from the notice being served: the agent polls IMDS each second (its default --poll-interval), and on 2
+# shared cores the taint, the sidecar's long poll, its gate's patch and the EndpointSlice controller each take a turn
+OUT_OF_ROTATION_WITHIN_S = 4.0
+GONE_TARGET_S = 1.5  # the design's: the pod gone this long after its last stream ended
+GONE_WITHIN_S = 6.0  # with the slack 2 shared cores need (the kubelet's preStop, SIGTERM, the containers' stop)
+INTERRUPTION = {"key": "spotdrain.io/interruption", "value": "spot-interruption", "effect": "NoSchedule"}
+TIMEOUT_S = 60.0
+POLL_S = 0.1
+
+
+class Moments:
+    """When each thing was first seen, in seconds since the test began (one clock for every thread)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.seen: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def mark(self, what: str) -> float:
+        with self.lock:
+            return self.seen.setdefault(what, time.monotonic() - self.started)
+
+    def lines(self) -> list[str]:
+        return [f"[notice] {at:6.2f} s  {what}" for what, at in sorted(self.seen.items(), key=lambda item: item[1])]
+
+
+class Watch:
+    """``kubectl get ... -w -o jsonpath=TEMPLATE`` in the background: each line the API server's watch gives, with
+    when it came; ``matched`` marks ``what`` at the first line ``test`` accepts."""
+
+    def __init__(self, cluster: Cluster, moments: Moments, args: list[str], marks: dict[str, Any]) -> None:
+        argv = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "get", "-w", *args]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[tuple[float, str]] = []
+        self.what = args[0]
+        self.moments, self.marks = moments, marks
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._saw(line.rstrip("\n"))
+
+    def _saw(self, line: str) -> None:
+        self.lines.append((time.monotonic() - self.moments.started, line))
+        for what, test in self.marks.items():
+            if test(line):
+                self.moments.mark(what)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+        self.thread.join(timeout=10)
+
+
+class Poll(Watch):
+    """The same, asked every ``POLL_S`` (``kubectl get`` without ``-w``): the watch of the EndpointSlice, listed by
+    its label, gave no event after its first here."""
+
+    def __init__(self, cluster: Cluster, moments: Moments, args: list[str], marks: dict[str, Any]) -> None:
+        self.argv = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "get", *args]
+        self.lines = []
+        self.what, self.moments, self.marks = args[0], moments, marks
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        last = None
+        while not self.stopped.wait(POLL_S):
+            done = subprocess.run(self.argv, capture_output=True, text=True, timeout=TIMEOUT_S)
+            line = (done.stdout + done.stderr).strip()
+            if line != last:
+                self._saw(line)
+                last = line
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=TIMEOUT_S)
+
+
+class Completion:
+    """One streamed completion asked through the API server's proxy to the pod (``kubectl create --raw``, as
+    test_install.py asks one); its answer comes back whole when the stream ends."""
+
+    def __init__(self, cluster: Cluster, proxy: str, max_tokens: int, moments: Moments, number: int) -> None:
+        self.max_tokens, self.moments, self.number = max_tokens, moments, number
+        request = {"model": "Qwen/Qwen2.5-7B-Instruct", "prompt": "Hello", "max_tokens": max_tokens, "stream": True}
+        request["stream_options"] = {"include_usage": True}
+        argv = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "create", "--raw", f"{proxy}/v1/completions"]
+        self.process = subprocess.Popen(
+            [*argv, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.answer, self.errors = "", ""
+        self.thread = threading.Thread(target=self._wait, args=(json.dumps(request),), daemon=True)
+        self.thread.start()
+
+    def _wait(self, request: str) -> None:
+        try:
+            self.answer, self.errors = self.process.communicate(request, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.answer, self.errors = self.process.communicate()
+        self.moments.mark(f"stream {self.number} ended ({self.max_tokens} tokens asked)")
+
+    def chunks(self) -> list[str]:
+        return [line.removeprefix("data: ") for line in self.answer.splitlines() if line.startswith("data: ")]
+
+    def tokens(self) -> int:
+        usage = [json.loads(chunk).get("usage") for chunk in self.chunks() if chunk != "[DONE]"]
+        counted = [u["completion_tokens"] for u in usage if u]
+        return int(counted[-1]) if counted else -1
+
+
+def imds(cluster: Cluster, method: str, **arguments: Any) -> Any:
+    """Call a control method of the fake IMDS in the Spot node's network namespace (``POST /_control/<method>``)."""
+    argv = ["curl", "-sf", "-m", "5", "-X", "POST", "-H", "Content-Type: application/json", "-d", json.dumps(arguments)]
+    argv.append(f"http://{network.IMDS}/_control/{method}")
+    namespace = cluster.node(SPOT.name).namespace
+    done = subprocess.run(network.in_namespace(namespace, argv), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"the fake IMDS's {method}: {done.returncode} {done.stderr}"
+    return json.loads(done.stdout)["result"] if done.stdout.strip() else None
+
+
+def notice_reads(cluster: Cluster) -> int:
+    counts: dict[str, int] = imds(cluster, "request_counts")
+    return sum(n for path, n in counts.items() if path.endswith("spot/instance-action"))
+
+
+def _field(line: str, index: int) -> str:
+    fields = line.split("|")
+    return fields[index].strip() if len(fields) > index else ""
+
+
+def watches(cluster: Cluster, moments: Moments, pod: str) -> list[Watch]:
+    """The node, the Service's EndpointSlice and the pod, each watched for the moments the timeline gives."""
+    node = ["node", SPOT.name, "-o", 'jsonpath={.spec.unschedulable}|{.spec.taints}{"\\n"}']
+    endpoints = ["endpointslices", "-n", "inference", "-l", "kubernetes.io/service-name=vllm", "-o"]
+    endpoints.append("jsonpath={range .items[*].endpoints[*]}{.targetRef.name}={.conditions.ready} {end}")
+    engine = '{.status.containerStatuses[?(@.name=="vllm")].state.terminated.exitCode}'
+    own = ["pod", pod, "-n", "inference", "-o", f'jsonpath={{.metadata.deletionTimestamp}}|{engine}{{"\\n"}}']
+    return [
+        Watch(
+            cluster,
+            moments,
+            node,
+            {"node tainted and cordoned": lambda line: INTERRUPTION["key"] in line and line.startswith("true|")},
+        ),
+        Poll(cluster, moments, endpoints, {"endpoint ready: false": lambda line: f"{pod}=false" in line}),
+        Watch(
+            cluster,
+            moments,
+            own,
+            {
+                "pod deletion started": lambda line: bool(re.fullmatch(r"\d{4}-.*Z", _field(line, 0))),
+                "engine container exited": lambda line: _field(line, 1).isdigit(),
+            },
+        ),
+    ]
+
+
+def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(installed: installing.Installed) -> None:
+    cluster = installed.cluster
+    pod = wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready (for the notice)")
+    name = pod["metadata"]["name"]
+    moments = Moments()
+    logs = subprocess.Popen(
+        ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "logs", "-f", "-n", "inference", name, "-c", "vllm"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watching = watches(cluster, moments, name)
+    engine_log = ""
+    try:
+        proxy = f"/api/v1/namespaces/inference/pods/{name}:8000/proxy"
+        streams = [Completion(cluster, proxy, tokens, moments, n) for n, tokens in enumerate(STREAMS, 1)]
+        time.sleep(NOTICE_AFTER_S)
+        read_before = notice_reads(cluster)
+        deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=DEADLINE_S)
+        imds(cluster, "schedule_spot", action="terminate", time=rfc3339(deadline))
+        served = moments.mark("notice served")
+        try:
+            cluster.wait_for("the agent reading the notice", lambda: notice_reads(cluster) > read_before, TIMEOUT_S)
+        except TimeoutError:
+            agent = ["logs", "-n", "spotdrain", "daemonset/spotdrain-node", "-c", "agent", "--tail", "40"]
+            raise AssertionError(
+                f"the agent did not read the notice: IMDS saw {imds(cluster, 'request_counts')}\n"
+                + cluster.kubectl(*agent, check=False)
+            ) from None
+        read = moments.mark("the agent read the notice (polled every 0.25 s)")
+        for stream in streams:
+            stream.thread.join(timeout=TIMEOUT_S + 10)
+        gone = ["get", "pod", name, "-n", "inference", "--ignore-not-found", "-o", "name"]
+        cluster.wait_for("the pod gone", lambda: not cluster.kubectl(*gone), TIMEOUT_S)
+        moments.mark("pod gone")
+        engine_log, _ = logs.communicate(timeout=TIMEOUT_S)
+        node = cluster.get("node", SPOT.name)
+    finally:
+        for watch in watching:
+            watch.stop()
+        if logs.poll() is None:
+            logs.kill()
+            logs.communicate(timeout=10)
+        print("\n" + "\n".join(moments.lines()))
+        for watch in watching:
+            print("\n".join(f"[notice] {at:6.2f} s  {watch.what}: {line}" for at, line in watch.lines))
+    seen = moments.seen
+    last_stream = max(at for what, at in seen.items() if what.startswith("stream "))
+    out_of_rotation = seen["endpoint ready: false"] - served
+    after_last = seen["pod gone"] - last_stream
+    print(
+        f"[notice] out of rotation {out_of_rotation:.2f} s after the notice was served, "
+        f"{seen['endpoint ready: false'] - read:.2f} s after the agent was seen reading it "
+        f"(target {OUT_OF_ROTATION_TARGET_S} s); pod gone {after_last:.2f} s after its last stream ended "
+        f"(target {GONE_TARGET_S} s)"
+    )
+
+    taints = node["spec"].get("taints", [])
+    assert INTERRUPTION in [{k: t.get(k) for k in ("key", "value", "effect")} for t in taints], taints
+    assert node["spec"].get("unschedulable") is True
+    annotated = node["metadata"]["annotations"].get("spotdrain.io/termination-time", "")
+    assert datetime.fromisoformat(annotated.replace("Z", "+00:00")) == deadline, annotated
+    assert "node tainted and cordoned" in seen
+
+    assert out_of_rotation <= OUT_OF_ROTATION_WITHIN_S, moments.lines()
+    for stream in streams:
+        chunks = stream.chunks()
+        assert chunks[-1:] == ["[DONE]"], f"stream {stream.number}: {stream.answer[-500:]} {stream.errors}"
+        assert stream.tokens() == stream.max_tokens, f"stream {stream.number}: {stream.answer[-500:]}"
+    assert seen["endpoint ready: false"] < last_stream, "the notice came after the streams ended: make them longer"
+
+    assert seen["pod deletion started"] < seen["pod gone"]
+    assert 0 <= after_last <= GONE_WITHIN_S, moments.lines()
+    assert seen["engine container exited"] >= last_stream, moments.lines()
+    # the fake engine's JSON log lines (simulate/fakes/engine.py): streams open when SIGTERM came, and cut by it
+    events = {e.get("event"): e for e in map(_json, engine_log.splitlines()) if isinstance(e, dict)}
+    assert events.get("engine.stopping", {}).get("streams") == 0, engine_log[-3000:]
+    assert events.get("engine.stopped", {}).get("cut") == 0, engine_log[-3000:]
+    assert events["engine.stopped"]["completed"] >= len(STREAMS), events["engine.stopped"]
+
+
+def _json(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
