@@ -178,7 +178,9 @@ class Splicer:
             _drop_logprobs(choice, repeated)
         if finish in ("abort", "error"):  # vLLM aborted the request (shutdown) or failed it: continue elsewhere
             choice["finish_reason"] = None
-            out = self._relay(chunk, b"") if new else b""
+            # Its token may have no text yet (an incomplete character): counted as shown, its id must reach the client
+            carries = new or (isinstance(choice.get("token_ids"), list) and choice["token_ids"])
+            out = self._relay(chunk, b"") if carries else b""
             return Step(out=out, end=Broken("abort" if finish == "abort" else "error_event", f"finish_reason {finish}"))
         if finish is not None:
             self.finish_reason = str(finish)

@@ -241,3 +241,23 @@ def test_continuous_usage_on_a_continuations_chunks_counts_the_whole_stream() ->
     usage = {"prompt_tokens": 7, "total_tokens": 8, "completion_tokens": 1}
     out = relayed(splicer.accept(text_chunk(" c", usage=usage)).out)
     assert out["usage"] == {"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3}
+
+
+def test_a_token_with_no_text_yet_on_the_abort_chunk_reaches_the_client_once() -> None:
+    """vLLM's abort chunk may carry a token whose text is an incomplete character (empty text): the client must get
+    its id, once, though the continuation generates it again."""
+    splicer = Splicer(chat=False, include_usage=False)
+    splicer.accept(text_chunk(" a", ids=[7]))
+    splicer.accept(text_chunk(" b", ids=[8]))
+    step = splicer.accept(text_chunk("", ids=[9], finish="abort"))
+    assert isinstance(step.end, Broken)
+    out = relayed(step.out)["choices"][0]
+    assert (out["text"], out["token_ids"], out["finish_reason"]) == ("", [9], None)
+    splicer.next_segment()
+    follow = continuation({"prompt": [1, 2]}, splicer, chat=False, path="/v1/completions")
+    assert follow.body["prompt"] == [1, 2, 7, 8]  # from the last token with text: 9 comes again
+    splicer.rewind()
+    assert splicer.accept(text_chunk("", ids=[9])).out == b""  # had it
+    out = relayed(splicer.accept(text_chunk("é", ids=[10])).out)["choices"][0]
+    assert (out["text"], out["token_ids"]) == ("é", [10])
+    assert list(splicer.token_ids or ()) == [7, 8, 9, 10]
