@@ -33,30 +33,43 @@ import argparse
 import asyncio
 import contextlib
 import json
-import mmap
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from agent.cache.fetch.sources import Checksum, RemoteFile
-from agent.cache.fetch.verify import Digest
 from bench import fetch_peers
 from bench.common import Result, cpu_s, missed
 from bench.fetch_peers import Missing, Ran, Way, run_measured
+from bench.fetch_reference import (
+    GIB,
+    WRITES,
+    checksum_rows,
+    disk_write_s,
+    drop_page_cache,
+    log_tail,
+    source_get,
+    warm,
+)
+from bench.fetch_targets import (
+    CRC64NVME,
+    EVERY_GET,
+    LIMITED,
+    LIMITED_WRITE,
+    MD5_ETAG,
+    ONE_GET,
+    SOURCE_CHECKSUMS,
+    Row,
+    targets,
+)
 from bench.limited_disk import Unavailable, limited_disk
 from bench.s3_source import (
-    BUCKET,
     MIB,
-    PREFIX,
-    REGION,
     Model,
     Server,
     keep_crc64nvme,
@@ -65,13 +78,6 @@ from bench.s3_source import (
     tool,
     wrong_bytes,
 )
-
-GIB = 1024**3
-S5CMD_RATIO_TARGET = 1.0
-DISK_SHARE_TARGET = 0.9
-RSS_TARGET_MB = 150.0
-WRITE_BLOCK = 16 * MIB
-WRITES = "16 MiB writes, then fsync: the faster of through the page cache and O_DIRECT"
 
 
 @dataclass(frozen=True)
@@ -88,99 +94,6 @@ class Options:
     @property
     def total_bytes(self) -> int:
         return int(self.size_gib * GIB)
-
-
-# What the source gives a fetch to check each file against: MD5 ETags only (an object uploaded without a checksum),
-# or a CRC64NVME beside them (every object S3 stored since December 2024, unless asked for another algorithm).
-MD5_ETAG, CRC64NVME = "md5 etag", "crc64nvme"
-SOURCE_CHECKSUMS = (MD5_ETAG, CRC64NVME)
-
-
-@dataclass
-class Row:
-    tool: str
-    config: str
-    flags: str = ""
-    version: str = ""
-    seconds: float | None = None
-    mib_per_s: float | None = None
-    cpu_s_per_gib: float | None = None
-    peak_rss_mb: float | None = None
-    verified: bool | None = None
-    skipped: str | None = None
-    runs_s: list[float] = field(default_factory=list)
-    detail: str = ""
-    source: str = ""  # a tool row's source checksum (SOURCE_CHECKSUMS)
-    transfer_s: float | None = None  # ours, in its best run: from its listing to the model published, by its log
-    server_cpu_s: float | None = None  # the source server's CPU seconds in the best run
-
-
-def drop_page_cache() -> bool:
-    """Write dirty pages back and drop the clean ones; whether the kernel let this process drop them."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    except OSError:
-        return False
-    return True
-
-
-def warm(files: list[Path]) -> None:
-    buffer = bytearray(WRITE_BLOCK)
-    for path in files:
-        with path.open("rb", buffering=0) as file:
-            while file.readinto(buffer):
-                pass
-
-
-def disk_write_s(dest: Path, total_bytes: int, settle: Callable[[], None]) -> float:
-    """Seconds to write ``total_bytes`` in 16 MiB writes to a new file in ``dest`` and fsync it: the faster of
-    writing through the page cache and with ``O_DIRECT`` (the disk's own rate, where the filesystem takes it), each
-    after ``settle`` (the page cache written back, and dropped)."""
-    path = dest / "disk-reference"
-    block = mmap.mmap(-1, WRITE_BLOCK)  # page-aligned, as O_DIRECT needs
-    block.write(os.urandom(WRITE_BLOCK))
-    times = []
-    for flags in (0, getattr(os, "O_DIRECT", 0)):
-        settle()
-        started = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
-        try:
-            for offset in range(0, total_bytes, WRITE_BLOCK):
-                os.write(fd, memoryview(block)[: min(WRITE_BLOCK, total_bytes - offset)])
-            os.fsync(fd)
-            times.append(time.perf_counter() - started)
-        except OSError:  # O_DIRECT refused (tmpfs, or a size not a multiple of the disk's block): the other counts
-            if not flags:
-                raise
-        finally:
-            os.close(fd)
-            path.unlink()
-    return min(times)
-
-
-def source_get(server: Server, source: Model, log: Path, *, every: bool) -> tuple[Ran, int] | str:
-    """Plain GETs with curl, signed with the server's keys: of the largest object, or (``every``) of every object at
-    once (``curl --parallel``); the run and the bytes it fetched, or why it could not be made."""
-    curl = shutil.which("curl")
-    if curl is None:
-        return "curl is not installed here"
-    names = sorted(source.sizes) if every else [max(source.sizes, key=lambda n: source.sizes[n])]
-    argv = [curl, "-sSf", "--max-time", "600", "--aws-sigv4", f"aws:amz:{REGION}:s3"]
-    argv += ["--user", f"{server.access_key}:{server.secret_key}"]
-    if every:
-        argv += ["--parallel", "--parallel-max", str(len(names))]
-    for name in names:
-        argv += ["-o", os.devnull, f"{server.url}/{BUCKET}/{PREFIX}{name}"]
-    ran = run_measured(argv, env=dict(os.environ), log_path=log, timeout_s=620)
-    if ran.returncode != 0:
-        return f"curl exited with {ran.returncode}: {_tail(log)}"
-    return ran, sum(source.sizes[name] for name in names)
-
-
-def _tail(log: Path) -> str:
-    lines = log.read_text(errors="replace").strip().splitlines()
-    return " | ".join(lines[-3:]) if lines else "no output"
 
 
 class Bench:
@@ -222,9 +135,9 @@ class Bench:
         ran = run_measured(way.argv, env=env, log_path=log, timeout_s=timeout_s)
         server_cpu = cpu_s(server.pid) - server_before
         if ran.timed_out:
-            self.results[key] = f"run {run + 1} was killed after {timeout_s:.0f} s: {_tail(log)}"
+            self.results[key] = f"run {run + 1} was killed after {timeout_s:.0f} s: {log_tail(log)}"
         elif ran.returncode != 0:
-            self.results[key] = f"run {run + 1} exited with {ran.returncode}: {_tail(log)}"
+            self.results[key] = f"run {run + 1} exited with {ran.returncode}: {log_tail(log)}"
         elif (wrong := wrong_bytes(self.source, way.copied)) is not None:
             self.results[key] = f"run {run + 1} produced wrong bytes: {wrong}"
         elif way.tool.startswith("spotdrain") and (kinds := checked_against(way.copied)) != {_KIND[source]}:
@@ -288,10 +201,7 @@ def _reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> 
     disk.mib_per_s = round(total / MIB / min(writes), 1)
     one = _source_row(bench, server, why_no_server, every=False)
     every = _source_row(bench, server, why_no_server, every=True)
-    return [disk, one, every, *_checksum_rows(bench)]
-
-
-LIMITED, LIMITED_WRITE = "default, limited disk", "sequential write, limited disk"
+    return [disk, one, every, *checksum_rows(bench.source)]
 
 
 def _limit(bench: Bench, reference: list[Row], stack: ExitStack) -> int | str:
@@ -330,35 +240,6 @@ def _limited_row(bench: Bench, limit: int | str) -> Row:
     row.seconds, row.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
     row.mib_per_s = round(bench.options.total_bytes / MIB / min(writes), 1)
     return row
-
-
-CHECKSUM_KINDS = ("md5", "sha256", "crc32", "crc32c", "crc64nvme")
-
-
-def _checksum_rows(bench: Bench) -> list[Row]:
-    """What checking costs: each kind of checksum a fetch can check a file against, fed by the fetch's own code
-    (``Digest``) over the largest file of the source from the page cache, on one core."""
-    path = max(bench.source.files, key=lambda f: f.stat().st_size)
-    size = path.stat().st_size
-    warm([path])
-    rows = []
-    for kind in CHECKSUM_KINDS:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            digest = Digest(RemoteFile(path.name, size, (Checksum(kind, ""),)))
-            started, cpu = time.perf_counter(), time.process_time()
-            digest.feed(fd, size)
-            seconds, used = time.perf_counter() - started, time.process_time() - cpu
-        finally:
-            os.close(fd)
-        row = Row("checksum", kind, f"spotdrain's check of {size / MIB:.0f} MiB, one core", verified=None)
-        row.seconds, row.mib_per_s = round(seconds, 3), round(size / MIB / seconds, 1)
-        row.cpu_s_per_gib = round(used / (size / GIB), 3)
-        rows.append(row)
-    return rows
-
-
-ONE_GET, EVERY_GET = "one GET (curl)", "every object at once (curl --parallel)"
 
 
 def _source_row(bench: Bench, server: Server | None, why_no_server: str, *, every: bool) -> Row:
@@ -458,111 +339,6 @@ def _cache_note(options: Options, dropped: list[bool]) -> str:
     if dropped and all(dropped):
         return "written back and dropped before every run, then the source read once"
     return "written back before every run; /proc/sys/vm/drop_caches could not be written by this process"
-
-
-def _ours_best(table: list[Row], *, on_limited: bool = False) -> Row | None:
-    """Ours at its fastest, on the destination or (``on_limited``) on the limited disk."""
-    measured = [
-        r for r in table if r.tool == "spotdrain" and (r.config == LIMITED) == on_limited and r.mib_per_s is not None
-    ]
-    return max(measured, key=lambda r: r.mib_per_s or 0.0, default=None)
-
-
-def targets(table: list[Row]) -> list[Result]:
-    """The issue's targets, each judged only where both of its figures were measured: against s5cmd once for each
-    kind of source checksum, the others over every run."""
-    by = {(r.tool, r.config, r.source): r for r in table}
-    results = [_versus_s5cmd(by, config, source) for source in SOURCE_CHECKSUMS for config in ("default", "tuned")]
-    results.append(_versus_disk(by, table))
-    ours = [r for r in table if r.tool == "spotdrain" and r.peak_rss_mb is not None]
-    if not ours:
-        why = _why_not(by.get(("spotdrain", "default", MD5_ETAG)))
-        results.append(Result.skip("cache_fetch_peak_rss", "MB", RSS_TARGET_MB, why))
-    else:
-        rss = max(r.peak_rss_mb or 0.0 for r in ours)
-        detail = "the largest resident set of spotdrain cache fetch in any run, default and tuned, either source"
-        results.append(Result("cache_fetch_peak_rss", rss, "MB", RSS_TARGET_MB, rss <= RSS_TARGET_MB, detail))
-    prefetches = [r for r in table if r.tool == fetch_peers.PREFETCH and r.peak_rss_mb is not None]
-    if not prefetches:
-        why = _why_not(by.get((fetch_peers.PREFETCH, "default", MD5_ETAG)))
-        results.append(Result.skip("model_prefetch_peak_rss", "MB", RSS_TARGET_MB, why))
-    else:
-        rss = max(r.peak_rss_mb or 0.0 for r in prefetches)
-        detail = "the largest resident set of spotdrain cache prefetch --once (the Kubernetes client loaded) in any run"
-        results.append(Result("model_prefetch_peak_rss", rss, "MB", RSS_TARGET_MB, rss <= RSS_TARGET_MB, detail))
-    return results
-
-
-def _why_not(row: Row | None) -> str:
-    return row.skipped if row is not None and row.skipped else "not measured"
-
-
-def _versus_s5cmd(by: dict[tuple[str, str, str], Row], config: str, source: str) -> Result:
-    name = f"cache_fetch_vs_s5cmd_{config}" + ("" if source == MD5_ETAG else f"_{source}")
-    ours, theirs = by.get(("spotdrain", config, source)), by.get(("s5cmd", config, source))
-    if ours is None or ours.mib_per_s is None:
-        return Result.skip(name, "x", S5CMD_RATIO_TARGET, f"ours: {_why_not(ours)}")
-    if theirs is None or theirs.mib_per_s is None:
-        return Result.skip(name, "x", S5CMD_RATIO_TARGET, f"s5cmd: {_why_not(theirs)}")
-    ratio = ours.mib_per_s / theirs.mib_per_s
-    detail = f"ours {ours.mib_per_s} MiB/s, s5cmd {theirs.mib_per_s} MiB/s, each {config}, the source giving {source}"
-    md5 = by.get(("checksum", "md5", ""))
-    if source == MD5_ETAG and ratio < S5CMD_RATIO_TARGET and md5 is not None:
-        detail += _md5_floor(theirs, md5)
-    return Result(name, round(ratio, 3), "x", S5CMD_RATIO_TARGET, ratio >= S5CMD_RATIO_TARGET, detail)
-
-
-def _md5_floor(s5cmd: Row, md5: Row) -> str:
-    """The least time any fetch that checks the MD5 could take on this machine's cores, measured in this run: the MD5
-    of the whole model, a transfer as cheap as s5cmd's, and the server's work as in s5cmd's run, all on the cores."""
-    if None in (s5cmd.seconds, s5cmd.mib_per_s, s5cmd.cpu_s_per_gib, s5cmd.server_cpu_s, md5.cpu_s_per_gib):
-        return ""
-    cores = os.cpu_count() or 1
-    gib = (s5cmd.seconds or 0) * (s5cmd.mib_per_s or 0) / 1024
-    md5_cpu, moved_cpu = (md5.cpu_s_per_gib or 0) * gib, (s5cmd.cpu_s_per_gib or 0) * gib
-    floor_s = (md5_cpu + moved_cpu + (s5cmd.server_cpu_s or 0)) / cores
-    return (
-        f"; on these {cores} cores, a fetch that checks the MD5 ({md5_cpu:.2f} CPU s) and moves the bytes as cheaply"
-        f" as s5cmd ({moved_cpu:.2f}), the server spending what it spent for s5cmd ({s5cmd.server_cpu_s:.2f}),"
-        f" needs {floor_s:.2f} s at the least: {(s5cmd.seconds or 0) / floor_s:.2f} x s5cmd at best"
-    )
-
-
-def _versus_disk(by: dict[tuple[str, str, str], Row], table: list[Row]) -> Result:
-    """Ours at its best against the destination's own write rate where the source is faster than it; else on the
-    limited disk, against that disk's rate, where it was measured."""
-    name = "cache_fetch_share_of_disk_write"
-    disk = by.get(("disk", "sequential write", ""))
-    gets = (by.get(("source", ONE_GET, "")), by.get(("source", EVERY_GET, "")))
-    sources = [r.mib_per_s for r in gets if r and r.mib_per_s]
-    ours = _ours_best(table)
-    if ours is None:
-        why = _why_not(by.get(("spotdrain", "default", MD5_ETAG)))
-        return Result.skip(name, "x", DISK_SHARE_TARGET, f"ours: {why}")
-    if disk is None or disk.mib_per_s is None or not sources:
-        return Result.skip(name, "x", DISK_SHARE_TARGET, "the disk's or the source's rate was not measured")
-    detail = ""
-    if max(sources) <= disk.mib_per_s:
-        slower = f"the source ({max(sources)} MiB/s) is not faster than the disk ({disk.mib_per_s} MiB/s)"
-        disk, ours = by.get(("disk", LIMITED_WRITE, "")), _ours_best(table, on_limited=True)
-        if disk is None or disk.mib_per_s is None:
-            return Result.skip(name, "x", DISK_SHARE_TARGET, f"{slower}; and no slower disk: {_why_not(disk)}")
-        if ours is None:
-            why = _why_not(by.get(("spotdrain", LIMITED, MD5_ETAG)))
-            return Result.skip(name, "x", DISK_SHARE_TARGET, f"{slower}; ours on a slower disk: {why}")
-        peers = [r for r in table if r.tool == "s5cmd" and r.config == LIMITED and r.mib_per_s is not None]
-        detail = f"; {slower}, so on a disk held below both" + "".join(
-            f"; s5cmd there {r.mib_per_s} MiB/s ({r.source})" for r in peers
-        )
-    share = (ours.mib_per_s or 0.0) / (disk.mib_per_s or 1.0)
-    if ours.transfer_s and ours.seconds and disk.seconds:
-        detail += (
-            f"; of ours' {ours.seconds} s, the transfer from its listing to the model published took"
-            f" {ours.transfer_s} s ({disk.seconds / ours.transfer_s:.3f} of the disk's rate), the rest was its start"
-            " and listing"
-        )
-    detail = f"ours {ours.mib_per_s} MiB/s ({ours.config}, {ours.source}), the disk {disk.mib_per_s} MiB/s" + detail
-    return Result(name, round(share, 3), "x", DISK_SHARE_TARGET, share >= DISK_SHARE_TARGET, detail)
 
 
 def document(options: Options) -> dict[str, Any]:

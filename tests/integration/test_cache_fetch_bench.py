@@ -150,7 +150,7 @@ def test_a_copy_with_its_parts_at_each_others_offsets_or_a_failed_run_gets_no_fi
 TARGETS = """
 import json
 from dataclasses import asdict
-from bench.cache_fetch import CRC64NVME, EVERY_GET, LIMITED, LIMITED_WRITE, MD5_ETAG, ONE_GET, Row, targets
+from bench.fetch_targets import CRC64NVME, EVERY_GET, LIMITED, LIMITED_WRITE, MD5_ETAG, ONE_GET, Row, targets
 
 def rows(ours_default, ours_tuned, *, source, rss=120.0, prefetch_rss=140.0):
     ours = [Row("spotdrain", "default", mib_per_s=ours_default, peak_rss_mb=rss, source=MD5_ETAG)]
