@@ -27,7 +27,7 @@ import structlog
 from aiohttp import web
 
 from gateway.request import BadRequest, Request, parse_head
-from spotdrain.http1 import BadAnswer, Dechunker
+from spotdrain.framing import BadAnswer, Dechunker
 
 log = structlog.get_logger()
 

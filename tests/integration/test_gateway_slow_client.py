@@ -10,7 +10,7 @@ import socket
 
 from gateway.sse import SseParser
 from simulate.fakes.engine import EngineConfig
-from spotdrain.http1 import Dechunker
+from spotdrain.framing import Dechunker
 from tests.conftest import scrape
 from tests.gateway_harness import engines, gateway, metric, reference
 
