@@ -111,6 +111,20 @@ class MotoServer:
         assert self._server is not None, "start() the server first"
         return f"http://127.0.0.1:{self._server.server_port}"
 
+    def client(self, service: str, *, config: Any = None) -> Any:
+        """A boto3 client of ``service`` on this server, with the test keys (``config``: botocore's ``Config``)."""
+        import boto3  # comes with moto; only tests and benchmarks start this server
+
+        make: Callable[..., Any] = boto3.client  # its overloads name each service by a literal
+        return make(
+            service,
+            region_name=REGION,
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=ACCESS_KEY_ID,
+            aws_secret_access_key=SECRET_ACCESS_KEY,
+            config=config,
+        )
+
     def calls(self, action: str, **match: Any) -> list[Call]:
         """Requests for ``action`` whose parameters include every ``match`` item, in the order they arrived."""
         with self._lock:

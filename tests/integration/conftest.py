@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-import boto3
 import pytest
 
-from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
+from simulate.fakes.aws import ACCESS_KEY_ID, SECRET_ACCESS_KEY, MotoServer
 
 if TYPE_CHECKING:
     from mypy_boto3_sqs import SQSClient
@@ -33,13 +32,7 @@ def aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def sqs(moto: MotoServer, aws_credentials: None) -> SQSClient:
-    return boto3.client(
-        "sqs",
-        region_name=REGION,
-        endpoint_url=moto.endpoint_url,
-        aws_access_key_id=ACCESS_KEY_ID,
-        aws_secret_access_key=SECRET_ACCESS_KEY,
-    )
+    return cast("SQSClient", moto.client("sqs"))
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import boto3
 import botocore.config
 import moto.s3 as moto_s3
 import pytest
@@ -38,7 +37,7 @@ from agent.cache.fetch.settings import MIB, FetchSettings
 from agent.cache.fetch.sources import MirrorSource, S3Source, Source
 from agent.cache.fetch.staging import write_json
 from agent.cache.fetch.transfer import FetchError
-from simulate.fakes.aws import ACCESS_KEY_ID, REGION, SECRET_ACCESS_KEY, MotoServer
+from simulate.fakes.aws import REGION, MotoServer
 from simulate.fakes.mirror import FaultyServer
 from simulate.fakes.processes import free_port
 from spotdrain import http1
@@ -72,21 +71,8 @@ ALGORITHMS = {
 @pytest.fixture(scope="module")
 def bucket(moto: MotoServer) -> str:
     """One bucket for the module's tests, which only read it."""
-    s3 = boto3.client(
-        "s3",
-        region_name=REGION,
-        endpoint_url=moto.endpoint_url,
-        aws_access_key_id=ACCESS_KEY_ID,
-        aws_secret_access_key=SECRET_ACCESS_KEY,
-    )
-    etag_only = boto3.client(
-        "s3",
-        region_name=REGION,
-        endpoint_url=moto.endpoint_url,
-        aws_access_key_id=ACCESS_KEY_ID,
-        aws_secret_access_key=SECRET_ACCESS_KEY,
-        config=botocore.config.Config(request_checksum_calculation="when_required"),
-    )
+    s3 = moto.client("s3")
+    etag_only = moto.client("s3", config=botocore.config.Config(request_checksum_calculation="when_required"))
     name = f"models-{uuid.uuid4().hex[:12]}"
     s3.create_bucket(Bucket=name)
     with pytest.MonkeyPatch.context() as patch:

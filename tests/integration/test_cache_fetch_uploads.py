@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import moto.s3 as moto_s3
 import pytest
 from boto3.s3.transfer import TransferConfig
@@ -45,13 +44,7 @@ def weights(size: int) -> bytes:
 
 
 def s3_client(moto: MotoServer) -> Any:
-    return boto3.client(
-        "s3",
-        region_name=REGION,
-        endpoint_url=moto.endpoint_url,
-        aws_access_key_id=ACCESS_KEY_ID,
-        aws_secret_access_key=SECRET_ACCESS_KEY,
-    )
+    return moto.client("s3")
 
 
 @pytest.fixture(scope="module")

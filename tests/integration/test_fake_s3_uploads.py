@@ -43,13 +43,7 @@ KEPT = ("content-length", "content-range", "etag", "x-amz-mp-parts-count")
 
 @pytest.fixture(scope="module")
 def moto_s3_client(moto: MotoServer) -> Iterator[tuple[Any, str]]:
-    s3 = boto3.client(
-        "s3",
-        region_name=REGION,
-        endpoint_url=moto.endpoint_url,
-        aws_access_key_id=ACCESS_KEY_ID,
-        aws_secret_access_key=SECRET_ACCESS_KEY,
-    )
+    s3 = moto.client("s3")
     bucket = f"conformance-{uuid.uuid4().hex[:12]}"
     s3.create_bucket(Bucket=bucket)
     with pytest.MonkeyPatch.context() as patch:
