@@ -134,10 +134,18 @@ def _stop_shared() -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The install after test_node.py, which checks the nodes as they registered (the startup taint still on), the
-    Spot notice after the install's checks (it leaves the node cordoned and the engine pod evicted), and
+    """The install after test_node.py, which checks the nodes as they registered (the startup taint still on), then
+    the cases that interrupt the Spot node one after the other (each leaves it cordoned and its engine pod evicted,
+    and the next begins with ``reset.fresh_spot_node``), then the metrics Prometheus scraped through them all, and
     test_node_stop.py last, once the shared cluster has stopped."""
-    rank = {"test_install.py": 1, "test_notice.py": 2, "test_node_stop.py": 3}
+    rank = {
+        "test_install.py": 1,
+        "test_notice.py": 2,
+        "test_gateway.py": 3,
+        "test_agent_restart.py": 4,
+        "test_metrics.py": 5,
+        "test_node_stop.py": 9,
+    }
     items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: each module's own order stays
 
 
