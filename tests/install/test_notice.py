@@ -15,9 +15,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from spotdrain.clock import rfc3339
-from tests.install import installing, network
+from tests.install import installing
 from tests.install.conftest import SPOT
 from tests.install.node import Cluster
+from tests.install.reset import imds
 from tests.install.test_install import wait_ready
 
 STREAMS = (250, 300, 350)  # max_tokens of each stream: 5-7 s at the fake engine's 50 tokens/s
@@ -137,16 +138,6 @@ class Completion:
         usage = [json.loads(chunk).get("usage") for chunk in self.chunks() if chunk != "[DONE]"]
         counted = [u["completion_tokens"] for u in usage if u]
         return int(counted[-1]) if counted else -1
-
-
-def imds(cluster: Cluster, method: str, **arguments: Any) -> Any:
-    """Call a control method of the fake IMDS in the Spot node's network namespace (``POST /_control/<method>``)."""
-    argv = ["curl", "-sf", "-m", "5", "-X", "POST", "-H", "Content-Type: application/json", "-d", json.dumps(arguments)]
-    argv.append(f"http://{network.IMDS}/_control/{method}")
-    namespace = cluster.node(SPOT.name).namespace
-    done = subprocess.run(network.in_namespace(namespace, argv), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"the fake IMDS's {method}: {done.returncode} {done.stderr}"
-    return json.loads(done.stdout)["result"] if done.stdout.strip() else None
 
 
 def notice_reads(cluster: Cluster) -> int:
