@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--availability-zone", default="us-east-1a")
     parser.add_argument("--allow-v1", action="store_true", help="answer GETs without a token (IMDSv1)")
     parser.add_argument("--lifecycle-state", default=None, help="in an Auto Scaling group, in this state")
+    parser.add_argument("--role", default=None, help="the instance profile's role, whose credentials it serves")
     args = parser.parse_args(argv)
     configure_logging()
     fake = FakeImds(
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         availability_zone=args.availability_zone,
         allow_v1=args.allow_v1,
         lifecycle_state=args.lifecycle_state,
+        role=args.role,
     )
 
     async def run() -> None:

@@ -77,6 +77,7 @@ def _spot() -> real_node.NodeSpec:
 
 
 SPOT = _spot()
+NODE_ROLE = "KarpenterNodeRole-spotdrain-e2e"  # the EC2NodeClass's role, whose credentials the node's IMDS serves
 CLUSTER_TIMINGS: dict[str, float] = {}
 _SHARED: list[real_node.Cluster] = []  # the one Cluster a process may run, while it runs
 
@@ -94,7 +95,7 @@ def shared_cluster() -> Iterator[real_node.Cluster]:
     _SHARED.append(harness)
     try:
         CLUSTER_TIMINGS.update({f"cluster: {name}": seconds for name, seconds in harness.timings.items()})
-        harness.node(SPOT.name).start_imds()
+        harness.node(SPOT.name).start_imds("--role", NODE_ROLE)
         CLUSTER_TIMINGS["cluster up"] = time.monotonic() - started
         yield harness
     finally:

@@ -20,7 +20,7 @@ from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 
 from simulate.model import tiny_checkpoint
 from tests.install.engine import ROOT, Podman, build_file, tag_of, tail
-from tests.install.node import Cluster
+from tests.install.node import Cluster, spot_node
 
 # Named for the vllm/vllm-openai image it stands in for: the webhook tells a pod's engine by its image's name.
 FAKE_ENGINE = "localhost/spotdrain-e2e/vllm-openai-fake"
@@ -62,9 +62,14 @@ def save(podman: Podman, tags: Sequence[str], archive: Path) -> Path:
 
 
 def overlay(
-    directory: Path, base: str, images: Sequence[Mapping[str, str]], patches: Sequence[Mapping[str, Any]] = ()
+    directory: Path,
+    base: str | Path,
+    images: Sequence[Mapping[str, str]],
+    patches: Sequence[Mapping[str, Any]] = (),
+    components: Sequence[str] = (),
 ) -> Path:
-    """A user's kustomization over the shipped directory ``base``: its ``images:`` and ``patches``."""
+    """A user's kustomization over ``base`` (a shipped directory, or another overlay): its ``components``,
+    ``images:`` and ``patches``."""
     directory.mkdir(parents=True, exist_ok=True)
     kustomization: dict[str, Any] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
@@ -72,6 +77,8 @@ def overlay(
         "resources": [os.path.relpath(ROOT / base, directory)],  # kustomize takes no absolute path
         "images": [dict(image) for image in images],
     }
+    if components:
+        kustomization["components"] = [os.path.relpath(ROOT / component, directory) for component in components]
     if patches:
         kustomization["patches"] = [dict(patch) for patch in patches]
     (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
@@ -87,18 +94,26 @@ def json_patch(kind: str, name: str, operations: Sequence[Mapping[str, Any]]) ->
     return {"target": {"kind": kind, "name": name}, "patch": json.dumps(list(operations))}
 
 
-def agent_overlay(directory: Path, device: str) -> Path:
-    """daemonset/imds-mode with the agent's image, and the cache's disk named by ``--model-cache-devices``
-    (docs/model-cache.md): this machine's instance store is a loop device, which discovery by the disks' model
-    name (Amazon EC2 NVMe Instance Storage) rightly passes over."""
+def agent_overlay(directory: Path, device: str, endpoint: str) -> Path:
+    """daemonset/imds-mode with the agent's image and deploy/components/model-prefetch, as README.md's "Model
+    cache" composes them; the cache's disk named by ``--model-cache-devices`` (docs/model-cache.md): this machine's
+    instance store is a loop device, which discovery by the disks' model name (Amazon EC2 NVMe Instance Storage)
+    rightly passes over; and the prefetch's S3 endpoint, ``AWS_ENDPOINT_URL`` (docs/model-cache.md), moto's. Its
+    credentials are the node's instance role's, from IMDS, as on a node without IRSA's webhook."""
     devices = {
         "op": "add",
         "path": "/spec/template/spec/initContainers/0/args/-",
         "value": f"--model-cache-devices={device}",
     }
-    return overlay(
-        directory, "daemonset/imds-mode", ours("agent"), [json_patch("DaemonSet", "spotdrain-node", [devices])]
-    )
+    env = {"name": "AWS_ENDPOINT_URL", "value": endpoint}
+    prefetch: list[dict[str, Any]] = [
+        {"op": "test", "path": "/spec/template/spec/containers/0/name", "value": "model-prefetch"},
+        {"op": "add", "path": "/spec/template/spec/containers/0/env/-", "value": env},
+    ]
+    # kustomize applies an overlay's patches before its components: the prefetch's container is patched from above
+    composed = overlay(directory / "composed", "daemonset/imds-mode", (), (), ["deploy/components/model-prefetch"])
+    patches = [json_patch("DaemonSet", "spotdrain-node", [devices, *prefetch])]
+    return overlay(directory, composed, ours("agent"), patches)
 
 
 def webhook_overlay(directory: Path) -> Path:
@@ -123,18 +138,15 @@ def vllm_overlay(directory: Path, endpoint: str) -> Path:
       listens as vLLM loads it; ``--host 0.0.0.0`` because the kubelet probes the pod's address;
     - its requests (4 cores, 32 GiB) down to what the fake needs, the GPU kept: the machine has 2 cores and 24 GB;
     - one replica: the spread over hosts is strict, and there is one Spot GPU node;
-    - the model-fetch init container gets the S3 endpoint (``AWS_ENDPOINT_URL``, docs/model-cache.md) and moto's
-      credentials in the environment, where EKS's pod identity webhook would give the IRSA role's.
+    - the model-fetch init container gets the S3 endpoint (``AWS_ENDPOINT_URL``, docs/model-cache.md); its
+      credentials are the node's instance role's, from the node's IMDS, where EKS's pod identity webhook would give
+      the IRSA role's.
     """
     engine_args = ["--host", "0.0.0.0", "--port", "8000", "--model", "Qwen/Qwen2.5-7B-Instruct"]
     engine_args += ["--model-dir", f"/mnt/model-cache/models/{MODEL}"]
     resources = {"requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"}}
     resources["limits"] = {"memory": "256Mi", "nvidia.com/gpu": "1"}
-    credentials = [
-        {"name": "AWS_ENDPOINT_URL", "value": endpoint},
-        {"name": "AWS_ACCESS_KEY_ID", "value": "testing"},
-        {"name": "AWS_SECRET_ACCESS_KEY", "value": "testing"},
-    ]
+    credentials = [{"name": "AWS_ENDPOINT_URL", "value": endpoint}]
     template = "/spec/template/spec"
     operations: list[dict[str, Any]] = [
         {"op": "replace", "path": "/spec/replicas", "value": 1},
@@ -180,8 +192,9 @@ def install(
     timeline.note(f"model uploaded to s3://{BUCKET}/models/{MODEL}/")
     cluster.share(CACHE)
     device = cluster.attach_loop(CACHE_DISK_BYTES)
+    annotate_as_karpenter(cluster)
     overlays = {
-        "agent": agent_overlay(directory / "agent", device),
+        "agent": agent_overlay(directory / "agent", device, endpoint),
         "webhook": webhook_overlay(directory / "webhook"),
         "vllm": vllm_overlay(directory / "vllm", endpoint),
     }
@@ -193,6 +206,14 @@ def install(
     cluster.kubectl("apply", "-k", str(overlays["vllm"]))
     timeline.note("applied deploy/vllm")
     return Installed(cluster, device, overlays, timeline)
+
+
+def annotate_as_karpenter(cluster: Cluster) -> None:
+    """The Spot node with the annotations of deploy/components/karpenter's NodePool template, which Karpenter puts
+    on the nodes it launches: ``spotdrain.io/models`` names the model the prefetch fetches."""
+    pool = yaml.safe_load((ROOT / "deploy/components/karpenter/nodepool.yaml").read_text())
+    annotations = pool["spec"]["template"]["metadata"]["annotations"]
+    cluster.kubectl("annotate", "node", "--overwrite", spot_node().name, *(f"{k}={v}" for k, v in annotations.items()))
 
 
 def upload_model(endpoint: str, directory: Path) -> None:

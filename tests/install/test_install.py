@@ -16,9 +16,10 @@ import pytest
 
 from simulate.model import tiny_checkpoint
 from tests.install import installing
-from tests.install.conftest import SPOT, STABLE
+from tests.install.conftest import NODE_ROLE, SPOT, STABLE
 from tests.install.engine import ROOT, tag_of
 from tests.install.node import Cluster
+from tests.install.reset import imds
 
 READY_WITHIN_S = 240.0
 STARTUP_TAINT = "spotdrain.io/model-cache-pending"
@@ -112,15 +113,12 @@ def test_the_webhook_gives_a_gpu_pod_in_the_labelled_namespace_the_sidecar(insta
     cluster = installed.cluster
     hook = wait_ready(installed, "spotdrain", "app.kubernetes.io/name=spotdrain-webhook", "a webhook replica Ready")
     assert hook["spec"]["nodeName"] == STABLE.name
-    gpu = {"nvidia.com/gpu": "1"}
-    engine = {"name": "engine", "image": f"{installing.FAKE_ENGINE}:{installing.TAG}"}
-    metadata = {"name": "a-users-engine", "namespace": "inference"}
-    spec = {"containers": [{**engine, "resources": {"requests": gpu, "limits": gpu}}]}
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
     def injected() -> dict[str, Any] | None:
         # server-side dry run: the API server calls the admission webhooks, and stores nothing
-        made = json.loads(cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod)))
+        made = json.loads(
+            cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(USERS_ENGINE))
+        )
         names = {c["name"]: c for c in made["spec"]["containers"]}
         return names if "spotdrain" in names else None
 
@@ -159,6 +157,40 @@ def test_the_model_is_fetched_onto_the_cache_and_the_engine_pod_becomes_ready_be
     installed.timeline.note("a completion streamed from the engine through the API server's proxy")
 
 
+def test_the_prefetch_fetches_the_nodes_models_with_the_instance_roles_credentials(
+    installed: installing.Installed,
+) -> None:
+    """deploy/components/model-prefetch fetches what the node's ``spotdrain.io/models`` annotation (the NodePool's)
+    names, and labels the node; neither it nor the pod's model-fetch has a key: both sign with the instance role's
+    credentials, which they read from the node's IMDS."""
+    cluster = installed.cluster
+    label = f"spotdrain.io/model.{installing.MODEL}"
+
+    def prefetched() -> str | None:
+        value = cluster.get("node", SPOT.name)["metadata"]["labels"].get(label)
+        return value if value in ("ready", "failed") else None
+
+    try:
+        state = cluster.wait_for(f"the node labelled {label}", prefetched, within_s=READY_WITHIN_S)
+    except TimeoutError:
+        state = None
+    logs = cluster.kubectl(
+        "logs", "-n", "spotdrain", "daemonset/spotdrain-node", "-c", "model-prefetch", "--tail", "60", check=False
+    )
+    assert state == "ready", logs[-4000:]
+    installed.timeline.note(f"prefetch: {label}=ready")
+    assert "cache.prefetched" in logs, logs[-4000:]
+    counts: dict[str, int] = imds(cluster, "request_counts")
+    role = [path for path in counts if path.endswith(f"iam/security-credentials/{NODE_ROLE}")]
+    assert role, f"nothing read the instance role's credentials from IMDS: {counts}"
+    pod = wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready (after the prefetch)")
+    fetch = cluster.kubectl("logs", "-n", "inference", pod["metadata"]["name"], "-c", "model-fetch", check=False)
+    # the pod's own fetch ran beside the prefetch or after it: either it fetched, or it found the model there
+    outcome = next((e for e in ("cache.model_present", "cache.fetched") if e in fetch), None)
+    assert outcome, fetch[-3000:]
+    installed.timeline.note(f"the pod's model-fetch: {outcome}")
+
+
 def test_spotdrain_check_finds_nothing_wrong_with_the_install(installed: installing.Installed) -> None:
     wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready (for the check)")
     found = findings(installed.cluster)
@@ -168,40 +200,63 @@ def test_spotdrain_check_finds_nothing_wrong_with_the_install(installed: install
     assert {"agent", "sidecar-injection", "budgets", "webhook"} <= {f["check"] for f in found}
 
 
-BREAKAGES = {
+GPU = {"nvidia.com/gpu": "1"}
+ENGINE = {"name": "engine", "image": f"{installing.FAKE_ENGINE}:{installing.TAG}"}
+USERS_ENGINE = {  # a pod a user creates; the one GPU is the installed engine's, so it stays Pending
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "a-users-engine", "namespace": "inference"},
+    "spec": {"containers": [{**ENGINE, "resources": {"requests": GPU, "limits": GPU}}]},
+}
+# Each piece broken as a user might break it: the check that must report it, and the kubectl commands.
+BREAKAGES: dict[str, tuple[str, list[tuple[str, ...]]]] = {
     # README.md: every PodDisruptionBudget over pods with the sidecar needs unhealthyPodEvictionPolicy: AlwaysAllow
-    "budgets": (
-        "patch",
-        "pdb",
-        "vllm",
-        "-n",
-        "inference",
-        "--type=json",
-        "-p",
-        '[{"op": "remove", "path": "/spec/unhealthyPodEvictionPolicy"}]',
+    "budget": (
+        "budgets",
+        [
+            (
+                "patch",
+                "pdb",
+                "vllm",
+                "-n",
+                "inference",
+                "--type=json",
+                "-p",
+                '[{"op": "remove", "path": "/spec/unhealthyPodEvictionPolicy"}]',
+            )
+        ],
     ),
     # a namespace labelled for injection and no webhook answering
-    "webhook": ("scale", "deployment", "spotdrain-webhook", "-n", "spotdrain", "--replicas=0"),
+    "webhook": ("webhook", [("scale", "deployment", "spotdrain-webhook", "-n", "spotdrain", "--replicas=0")]),
+    # the namespace's label removed, and a GPU pod created there since: the webhook passes it by, no sidecar
+    "namespace label": (
+        "sidecar-injection",
+        [("label", "namespace", "inference", "spotdrain.io/inject-"), ("create", "-f", "-")],
+    ),
 }
 WEBHOOK = "app.kubernetes.io/name=spotdrain-webhook"
 
 
-@pytest.mark.parametrize("check", BREAKAGES)
+@pytest.mark.parametrize("broken", BREAKAGES)
 def test_spotdrain_check_reports_a_piece_broken_on_purpose_until_it_is_restored(
-    installed: installing.Installed, check: str
+    installed: installing.Installed, broken: str
 ) -> None:
     cluster = installed.cluster
-    cluster.kubectl(*BREAKAGES[check])
+    check, commands = BREAKAGES[broken]
     try:
-        if check == "webhook":
+        for command in commands:
+            cluster.kubectl(*command, input=json.dumps(USERS_ENGINE) if command[-1] == "-" else None)
+        if broken == "webhook":
             cluster.wait_for(
                 "no webhook pod", lambda: not cluster.get("pods", "-n", "spotdrain", "-l", WEBHOOK)["items"]
             )
-        broken = errors(findings(cluster))
-        installed.timeline.note(f"spotdrain check with the {check} broken: {len(broken)} error(s)")
-        assert any(line.startswith(f"{check}:") for line in broken), broken
+        found = errors(findings(cluster))
+        installed.timeline.note(f"spotdrain check with the {broken} broken: {len(found)} error(s)")
+        assert any(line.startswith(f"{check}:") for line in found), found
     finally:
+        cluster.kubectl("delete", "pod", "a-users-engine", "-n", "inference", "--ignore-not-found", "--wait=true")
+        installing.label_namespace(cluster, installed.timeline)
         cluster.kubectl("apply", "-k", str(installed.overlays["vllm"]))
         cluster.kubectl("apply", "-k", str(installed.overlays["webhook"]))
-    wait_ready(installed, "spotdrain", WEBHOOK, f"a webhook replica Ready again after the {check} check")
+    wait_ready(installed, "spotdrain", WEBHOOK, f"a webhook replica Ready again after the {broken} check")
     assert not errors(findings(cluster))
