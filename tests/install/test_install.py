@@ -2,7 +2,8 @@
 built from the Dockerfiles, each step a ``kubectl apply -k`` of the shipped directory through an overlay that sets
 only ``images:`` and what the docs say to set: ``installing.py``), and what a user looks at then: the agent's init
 container makes the cache on the node's disk and lifts the node's startup taint; the webhook gives pods the
-sidecar; the model uploaded to S3 is fetched onto the cache and the engine pod becomes Ready with it; ``spotdrain
+sidecar; the model uploaded to S3 is fetched onto the cache by the prefetch and by the pod's init container, with
+the instance role's credentials from IMDS, and the engine pod becomes Ready with it; ``spotdrain
 check`` finds nothing wrong, and finds each piece broken on purpose. What the install saw is printed as a timeline."""
 
 from __future__ import annotations
