@@ -213,13 +213,15 @@ def test_an_agent_killed_mid_drain_comes_back_and_finishes_the_drain(installed: 
         killed = agent_status(agent_pod(cluster))
         previous = cluster.kubectl("logs", "-n", "spotdrain", agent_name, "-c", "agent", "--previous")
     except BaseException:
-        for follow in [f for f in (resumed, engine_log) if f is not None]:
-            print("\n".join(f"[agent restart] {at:6.2f} s  {follow.what}: {line}" for at, line in follow.lines[-40:]))
+        print("\n".join(f"[agent restart] {at:6.2f} s  engine: {line}" for at, line in engine_log.lines[-40:]))
         raise
     finally:
         for watch in [*watching, engine_log, *([resumed] if resumed else [])]:
             watch.stop()
         print("\n" + "\n".join(_lines(moments)))
+        if resumed is not None:  # what the restarted agent did, its IMDS polls left out
+            acted = [(at, line) for at, line in resumed.lines if '"imds.' not in line]
+            print("\n".join(f"[agent restart] {at:6.2f} s  restarted agent: {line[:300]}" for at, line in acted))
     assert resumed is not None
     seen = moments.seen
 
