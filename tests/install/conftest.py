@@ -12,7 +12,7 @@ import pytest
 import yaml
 from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 
-from tests.install import installing, sweep
+from tests.install import installing, scraping, sweep
 from tests.install import node as real_node
 from tests.install.engine import ROOT, Built, Podman, Unavailable, build, open_store, prune
 
@@ -107,19 +107,44 @@ def installed(
     shared_cluster: real_node.Cluster, images: Images, podman: Podman, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[installing.Installed]:
     """The install of README.md, once for the run: test_install.py checks it, then test_notice.py interrupts its
-    node; the cluster's stop takes it away."""
+    node; the cluster's stop takes it away. Prometheus scrapes it from the moment it is applied (``prometheus``)."""
     cluster, directory = shared_cluster, tmp_path_factory.mktemp("install")
     made_state = not installing.STATE.exists()
     s3 = ThreadedMotoServer(ip_address="10.213.0.1", port=0, verbose=False)  # the host side of the nodes' veths
     timeline = installing.Timeline()
     tags = [images(program).tag for program in ("agent", "sidecar", "webhook")]
     try:
-        yield installing.install(cluster, tags, podman, s3, directory, timeline)
+        done = installing.install(cluster, tags, podman, s3, directory, timeline)
+        try:
+            _SCRAPING.append(scraping.start(cluster.kubeconfig, tmp_path_factory.mktemp("prometheus")))
+            timeline.note("Prometheus started on the shipped PodMonitors")
+        except Exception as error:  # the tests that need it skip or fail with it; the install's others go on
+            _SCRAPING.append(error)
+        yield done
     finally:
+        while _SCRAPING:
+            scraper = _SCRAPING.pop()
+            if isinstance(scraper, scraping.Prometheus):
+                scraper.stop()
         s3.stop()
         print("\n" + "\n".join(timeline.lines()))
         if made_state and installing.STATE.is_dir() and not any(installing.STATE.iterdir()):
             installing.STATE.rmdir()
+
+
+_SCRAPING: list[scraping.Prometheus | Exception] = []  # the install's Prometheus, or why none runs
+
+
+@pytest.fixture(scope="session")
+def prometheus(installed: installing.Installed) -> scraping.Prometheus:
+    """The Prometheus that has scraped the install since it was applied (tests/install/scraping.py)."""
+    scraper = _SCRAPING[-1] if _SCRAPING else RuntimeError("the install did not start it")
+    if isinstance(scraper, scraping.Unavailable):
+        pytest.skip(f"no Prometheus scrapes the install because {scraper}")
+    if isinstance(scraper, Exception):
+        pytest.fail(f"Prometheus did not start on the shipped PodMonitors: {scraper!r}")
+    scraper.wait_ready()
+    return scraper
 
 
 def _stop_shared() -> None:
