@@ -23,7 +23,7 @@ import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -171,10 +171,9 @@ def _relabel(rule: Mapping[str, Any]) -> dict[str, Any]:
     return translated
 
 
-class PodDiscovery:
-    """What Prometheus' ``kubernetes_sd_configs`` role ``pod`` finds, as files for ``file_sd_configs``: the API
-    server's pods listed every ``POLL_S`` (the real discovery watches; a second's lag is nothing beside a 15 s scrape
-    interval), each namespace's targets written to ``pods-<namespace>.json`` in ``directory`` (``pods.json``: every
+class PodFiles:
+    """Pods' targets as Prometheus' ``kubernetes_sd_configs`` role ``pod`` finds them, written as files for
+    ``file_sd_configs``: each namespace's in ``pods-<namespace>.json`` in ``directory`` (``pods.json``: every
     namespace's), renamed into place whole, which Prometheus' file discovery picks up at once (it watches the files).
 
     The targets and labels are those of discovery/kubernetes/pod.go at v2.42.0, Debian's version (buildPod,
@@ -185,28 +184,18 @@ class PodDiscovery:
     ready condition in lower case (``unknown`` without one), phase, node name, host IP, uid, controller's kind and
     name, the container's name, id, image and ``..._container_init``, and ``__meta_kubernetes_namespace``."""
 
-    def __init__(self, kubeconfig: Path, directory: Path) -> None:
-        config = yaml.safe_load(kubeconfig.read_text())
-        cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        headers = {"Authorization": f"Bearer {user['token']}"}
-        trust = ssl.create_default_context(cafile=cluster["certificate-authority"])
-        self.client = httpx.Client(base_url=cluster["server"], verify=trust, headers=headers, timeout=TIMEOUT_S)
         self.written: dict[str, str] = {}
-        self.errors = 0
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._poll, name="pod-discovery", daemon=True)
 
     def file(self, namespace: str | None) -> Path:
         return self.directory / (f"pods-{namespace}.json" if namespace else "pods.json")
 
-    def refresh(self, namespaces: set[str]) -> None:
-        """List the pods once and write each file whose targets changed; ``namespaces`` are those to write even
-        when they hold no pod (an empty file is an empty discovery)."""
-        answer = self.client.get("/api/v1/pods")
-        answer.raise_for_status()
+    def write(self, pods: Iterable[Mapping[str, Any]], namespaces: Iterable[str] = ()) -> None:
+        """Write each file whose targets changed; ``namespaces`` are those to write even when they hold no pod (an
+        empty file is an empty discovery)."""
         groups: dict[str | None, list[dict[str, Any]]] = {None: [], **{name: [] for name in namespaces}}
-        for pod in answer.json()["items"]:
+        for pod in pods:
             found = pod_targets(pod)
             groups[None] += found
             groups.setdefault(pod["metadata"]["namespace"], []).extend(found)
@@ -218,12 +207,34 @@ class PodDiscovery:
                 partial.rename(self.file(namespace))
                 self.written[str(namespace)] = text
 
+
+class PodDiscovery(PodFiles):
+    """``PodFiles`` of the API server's pods, listed every ``POLL_S`` in a thread once started (the real discovery
+    watches; a second's lag is nothing beside a 15 s scrape interval)."""
+
+    def __init__(self, kubeconfig: Path, directory: Path) -> None:
+        super().__init__(directory)
+        config = yaml.safe_load(kubeconfig.read_text())
+        cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+        headers = {"Authorization": f"Bearer {user['token']}"}
+        trust = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        self.client = httpx.Client(base_url=cluster["server"], verify=trust, headers=headers, timeout=TIMEOUT_S)
+        self.errors = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._poll, name="pod-discovery", daemon=True)
+
+    def refresh(self, namespaces: Iterable[str] = ()) -> None:
+        """List the pods once and write their files."""
+        answer = self.client.get("/api/v1/pods")
+        answer.raise_for_status()
+        self.write(answer.json()["items"], namespaces)
+
     def _poll(self) -> None:
         """Refresh until ``stop``; a failed list (the API server stopped before the run's end) is counted and
         tried again, and the files keep the last pods seen, as the real discovery keeps its last state."""
         while not self.stopped.wait(POLL_S):
             try:
-                self.refresh(set())
+                self.refresh()
             except (httpx.HTTPError, ValueError, KeyError):
                 self.errors += 1
 
@@ -271,7 +282,7 @@ def pod_targets(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     return targets
 
 
-def through_files(config: Mapping[str, Any], discovery: PodDiscovery) -> tuple[dict[str, Any], set[str]]:
+def through_files(config: Mapping[str, Any], discovery: PodFiles) -> tuple[dict[str, Any], set[str]]:
     """``config`` with its ``kubernetes_sd_configs`` (role pod) read from ``discovery``'s files; the namespaces
     they name."""
     replaced, namespaces = dict(config), set()
