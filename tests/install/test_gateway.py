@@ -77,9 +77,9 @@ def serve_notice(cluster: Cluster, moments: Moments) -> None:
 def note_splices(moments: Moments, wall: datetime, events: list[dict[str, Any]], streams: list[Stream]) -> None:
     """The gateway's continuations (its log's times, on the wall clock that read ``wall`` at the moments' start)
     and where each client saw its stream spliced."""
-    for event in events:
+    for number, event in enumerate(events, 1):
         at = (datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")) - wall).total_seconds()
-        what = f"gateway.continued {event['backend']} -> {event['to']} ({event['cause']})"
+        what = f"gateway.continued ({number}) {event['backend']} -> {event['to']} ({event['cause']})"
         seen_at(moments, f"{what}, {event['tokens_sent']} tokens sent", at)
     for stream in streams:
         for at, chunks, cause in stream.splices():
