@@ -34,7 +34,17 @@ class EngineSpec:
     # How long a request may go uncounted after it arrived (until about its first token): a connection whose last
     # bytes in and out fell in one clock tick holds this long, as a request may have followed the response at once.
     counting_gap_s: float = 1.0
+    # A series the exporter serves whatever the engine does. Where it is on the page, an in-flight series that is
+    # not counts 0: such an exporter shows a series only once something recorded it. Without it on the page (not
+    # the exporter's page, or not exported yet) a missing required series is still an error, never a zero.
+    exporter_series: str | None = None
 
+
+# Ray's metrics agent exports what a node's processes recorded every RAY_metrics_report_interval_ms (10 s by
+# default; Ray's stats.h sets the exporter's report interval to at least 1 s and its harvest to at least 0.5 s), so
+# with 1000 in the pod's env its page lags the processes by up to 1.5 s: measured on Ray 2.49.0, 0.04-1.44 s
+# between a stream's end and its drop on the page (tests/engines/test_ray_signals.py).
+RAY_ZERO_CONFIRM_S = 1.5
 
 ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
@@ -68,6 +78,21 @@ ENGINES: dict[str, EngineSpec] = {
         # The scheduler logs its stats on prefill batches and every decode_log_interval (40) decode steps.
         zero_confirm_s=2.0,
         counting_gap_s=2.0,
+    ),
+    # Ray Serve: the requests this node's replicas are serving (every deployment's, from the replica's start) and
+    # those its HTTP proxy is carrying (from its first request), both counted by Serve itself: a stream is counted
+    # from its arrival to its last byte, and no longer once its client went away (Serve cancels the request).
+    # vLLM's own gauges under Ray (ray_vllm_*) are absent until the replica's first request and leave out what
+    # waits in Serve before vLLM sees it. No token counter: Serve's count does not stick, and a stream carried by
+    # this node's proxy for a replica elsewhere makes no tokens here.
+    "ray": EngineSpec(
+        "ray",
+        required=("ray_serve_replica_processing_queries",),
+        optional=("ray_serve_num_ongoing_http_requests",),
+        health_path="/metrics",
+        zero_confirm_s=RAY_ZERO_CONFIRM_S,
+        counting_gap_s=RAY_ZERO_CONFIRM_S,
+        exporter_series="ray_node_mem_total",  # the agent's own, about its node, from its first export
     ),
 }
 
@@ -146,11 +171,13 @@ def sum_samples(page: str, name: str) -> float | None:
 def read_engine(page: str, engine: EngineSpec) -> EngineReading:
     """In-flight requests (running plus queued) and the token counter, from one metrics page."""
     in_flight = 0.0
+    exporter = engine.exporter_series
+    absent_is_zero = exporter is not None and sum_samples(page, exporter) is not None
     for name in engine.required:
         value = sum_samples(page, name)
-        if value is None:
+        if value is None and not absent_is_zero:
             raise MetricsError("missing", f"{name} is not on the metrics page")
-        in_flight += value
+        in_flight += value or 0.0
     for name in engine.optional:
         in_flight += sum_samples(page, name) or 0.0
     tokens = sum_samples(page, engine.tokens) if engine.tokens else None

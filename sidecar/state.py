@@ -7,8 +7,10 @@ the drain running or ends it with an outcome:
   a page can lag the engine by that much) and, at the last of them, no connection to the engine's port could still
   carry a request (``sidecar.connections``: a request not yet counted, bytes a client has still to read; idle
   keep-alive connections do not count);
-- ``stalled``: in-flight unchanged, the token counter still and no such connection for ``stall_after_s``
-  (vLLM's gauges can stay non-zero after clients went away);
+- ``stalled``: in-flight unchanged, the token counter on the page and still, and no such connection for
+  ``stall_after_s`` (vLLM's gauges can stay non-zero after clients went away). Without a token counter nothing
+  says the engine is stuck: a count that does not change is what running streams look like (Ray's exports, every
+  second or ten, hold it still between two), so such a drain ends drained or at the deadline;
 - ``timeout``: the deadline passed; the streams still counted then are the ones cut.
 
 A failed reading (engine unreachable, page malformed) is never a zero: it ends nothing and restarts the quiet period.
@@ -62,14 +64,20 @@ class Drain:
     last_in_flight: int | None = None  # the newest successful reading, for counting cut streams
 
 
-def _quiet(previous: Reading | None, reading: Reading) -> bool:
+def _still(previous: Reading | None, reading: Reading) -> bool:
+    """Nothing moved since ``previous``: the same non-zero count and a token counter that stood still."""
     return (
         previous is not None
         and reading.in_flight is not None
+        and reading.in_flight > 0
+        and reading.tokens is not None
         and reading.in_flight == previous.in_flight
         and reading.tokens == previous.tokens
-        and reading.connections == 0
     )
+
+
+def _quiet(previous: Reading | None, reading: Reading) -> bool:
+    return _still(previous, reading) and reading.connections == 0
 
 
 def _zero_confirmed(drain: Drain, reading: Reading, zero_confirm_s: float) -> bool:
@@ -80,15 +88,7 @@ def _zero_confirmed(drain: Drain, reading: Reading, zero_confirm_s: float) -> bo
 def needs_connections(drain: Drain, reading: Reading, *, zero_confirm_s: float) -> bool:
     """Whether this reading needs the connection count: for the stall rule when nothing else has moved, and
     once a zero is confirmed, so a drain looks at connections about once unless one holds."""
-    previous = drain.last
-    still = (
-        previous is not None
-        and reading.in_flight is not None
-        and reading.in_flight > 0
-        and reading.in_flight == previous.in_flight
-        and reading.tokens == previous.tokens
-    )
-    return still or _zero_confirmed(drain, reading, zero_confirm_s)
+    return _still(drain.last, reading) or _zero_confirmed(drain, reading, zero_confirm_s)
 
 
 def observe(

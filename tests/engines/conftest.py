@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from simulate.fakes.processes import free_port
+from simulate.ray.server import RayNode
+from simulate.ray.server import available as ray_available
 from simulate.vllm.server import VllmServer, available, start_servers, tiny_model
 
 SERVERS = 3  # enough to kill one and still continue on another, with a third for tests that need two alive
@@ -44,3 +46,22 @@ def vllm_servers(vllm_pool: list[VllmServer]) -> list[VllmServer]:
     for server in dead:
         server.wait_ready()
     return vllm_pool
+
+
+@pytest.fixture(scope="session")
+def ray_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNode]:
+    """One real Ray head node serving the streaming app, for the session; stopped with ``ray stop --force``."""
+    reason = ray_available()
+    if reason is not None:
+        pytest.skip(reason)
+    node = RayNode(
+        gcs_port=free_port(),
+        http_port=free_port(),
+        metrics_port=free_port(),
+        log_path=tmp_path_factory.mktemp("ray") / "ray.log",
+    )
+    try:
+        node.start()
+        yield node
+    finally:
+        node.stop()

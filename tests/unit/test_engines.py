@@ -178,3 +178,42 @@ def test_exemplars_of_any_value_leave_the_sum_of_the_samples(values: list[int], 
         for i, v in enumerate(values)
     ]
     assert in_flight("\n".join(lines), ENGINES["vllm"]) == sum(values)
+
+
+# Lines of Ray 2.49.0's metrics agent page as it serves them (fewer labels): the node's own series, there from
+# the agent's first export, Serve's proxy and replicas (an ingress's and an engine's), vLLM's under Ray.
+RAY_NODE = """\
+# HELP ray_node_mem_total Total memory on a ray node
+# TYPE ray_node_mem_total gauge
+ray_node_mem_total{IsHeadNode="false",RayNodeType="worker",Version="2.49.0",ip="10.0.3.7"} 2.5e+10
+"""
+RAY_SERVE = """\
+# HELP ray_serve_num_ongoing_http_requests The number of ongoing requests in this HTTP Proxy.
+# TYPE ray_serve_num_ongoing_http_requests gauge
+ray_serve_num_ongoing_http_requests{Component="core_worker",WorkerId="83be",node_ip_address="10.0.3.7"} 2.0
+# HELP ray_serve_replica_processing_queries The current number of queries being processed.
+# TYPE ray_serve_replica_processing_queries gauge
+ray_serve_replica_processing_queries{WorkerId="c914",application="llm",deployment="LLMServer:qwen",replica="j4ft"} 2.0
+ray_serve_replica_processing_queries{WorkerId="d0a1",application="llm",deployment="OpenAiIngress",replica="x9k2"} 1.0
+ray_vllm_num_requests_running{ReplicaId="j4ft",WorkerId="c914",engine="0",model_name="qwen-1.5b"} 2.0
+"""
+
+
+def test_ray_sums_what_this_nodes_serve_proxy_and_replicas_are_serving() -> None:
+    assert read_engine(RAY_NODE + RAY_SERVE, ENGINES["ray"]).in_flight == 5
+
+
+def test_on_rays_page_a_serve_series_not_recorded_yet_counts_zero() -> None:
+    # A node whose proxy never had a request, or with no replica at all: Ray shows a series once it is recorded.
+    replicas_only = RAY_NODE + 'ray_serve_replica_processing_queries{replica="j4ft"} 0.0\n'
+    assert in_flight(replicas_only, ENGINES["ray"]) == 0
+    assert in_flight(RAY_NODE, ENGINES["ray"]) == 0
+
+
+def test_a_page_without_rays_node_series_is_no_zero_for_ray() -> None:
+    # Not the agent's page, or the agent before its first export: its absent series say nothing.
+    with pytest.raises(MetricsError) as caught:
+        in_flight("process_cpu_seconds_total 1.0\n", ENGINES["ray"])
+    assert caught.value.kind == "missing"
+    with pytest.raises(MetricsError):
+        in_flight(RAY_NODE, custom_engine("ray_vllm_num_requests_running"))

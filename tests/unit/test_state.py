@@ -87,6 +87,12 @@ def test_moving_tokens_or_an_open_connection_is_not_a_stall() -> None:
     assert run(connected, deadline=1000)[1] is None
 
 
+def test_a_count_holding_still_without_a_token_counter_is_no_stall() -> None:
+    # Ray's page between two exports, or any engine read without a token counter: streams running look like this.
+    still = [Reading(float(t), 3, connections=0) for t in range(0, 60)]
+    assert run(still, deadline=1000)[1] is None
+
+
 def test_unknown_connections_never_count_as_quiet() -> None:
     unknown = [Reading(float(t), 3, tokens=5.0, connections=None) for t in range(0, 30)]
     assert run(unknown, deadline=1000)[1] is None

@@ -1,0 +1,180 @@
+"""Real Ray Serve on 127.0.0.1: its own venv, one head node, the streaming app of ``simulate.ray.app`` deployed on it.
+
+Ray is never a dependency of spotdrain: ``install()`` puts PyPI's ``ray[serve]`` into a venv of its own beside
+vLLM's, outside the repository, and ``available()`` says why it cannot be used where it cannot (the tests then skip
+with that reason). What the install needs, learned here: Ray 2.49.0 (what deploy/kuberay runs) with today's
+releases of its dependencies serves, except protobuf 7, which ``serve.run`` fails on: it is held below 7.
+
+One head node with 2 CPUs, no dashboard: the metrics agent (part of the per-node dashboard agent) runs all the
+same. ``RAY_metrics_report_interval_ms`` is set in the environment of ``ray start`` as deploy/kuberay sets it in the
+worker's container, so every process of the node (raylet, agent, Serve's replicas and proxy) exports at that pace.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulate.vllm.server import cache_root, python_of
+
+VERSION = "2.49.0"
+MODEL_NAME = "tiny"
+APP_NAME = "llm"
+STEP_S = 0.05  # one engine step of the app: a token for each running request (20 tokens/s a stream)
+REQUIREMENTS = (f"ray[serve]=={VERSION}", "protobuf<7")
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_TIMEOUT_S = 900.0
+START_TIMEOUT_S = 120.0
+# What deploy/kuberay/raycluster.yaml sets in the worker's env: Ray's exporter takes no less than 1000.
+REPORT_INTERVAL_MS = 1000
+
+
+def venv_dir(root: Path | None = None) -> Path:
+    return (root or cache_root()) / f"ray-{VERSION}"
+
+
+def _stamp(venv: Path) -> Path:
+    return venv / ".spotdrain-ready"
+
+
+def _reason_file(root: Path) -> Path:
+    return root / f"ray-{VERSION}.skipped"
+
+
+def available(root: Path | None = None) -> str | None:
+    """None when Ray is installed and usable here, else why not."""
+    root = root or cache_root()
+    venv = venv_dir(root)
+    if _stamp(venv).exists() and python_of(venv).exists():
+        return None
+    if _reason_file(root).exists():
+        return _reason_file(root).read_text().strip()
+    return f"ray[serve] {VERSION} is not installed in {venv} (python -m simulate.ray install installs it)"
+
+
+def _tail(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if not line.startswith("WARNING: Location")]
+    return lines[-1][:300] if lines else "no output"
+
+
+def install(root: Path | None = None) -> str | None:
+    """Install Ray into its venv unless it is there: None once usable, else the reason (kept for ``available``)."""
+    root = root or cache_root()
+    venv = venv_dir(root)
+    if available(root) is None:
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    steps: list[tuple[str, list[str]]] = []
+    if not python_of(venv).exists():
+        steps.append(("creating the venv", [sys.executable, "-m", "venv", str(venv)]))
+    steps += [
+        ("pip install ray[serve]", [str(python_of(venv)), "-m", "pip", "install", "--quiet", *REQUIREMENTS]),
+        ("importing Ray Serve", [str(python_of(venv)), "-c", "import ray.serve, starlette"]),
+    ]
+    for what, args in steps:
+        try:
+            done = subprocess.run(
+                args, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, stdin=subprocess.DEVNULL
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return _give_up(root, f"{what} failed: {error}")
+        if done.returncode != 0:
+            return _give_up(root, f"{what} failed (exit {done.returncode}): {_tail(done.stderr or done.stdout)}")
+    _stamp(venv).write_text(VERSION + "\n")
+    _reason_file(root).unlink(missing_ok=True)
+    return None
+
+
+def _give_up(root: Path, reason: str) -> str:
+    _reason_file(root).write_text(reason + "\n")
+    return reason
+
+
+@dataclass
+class RayNode:
+    """One Ray head node (``ray start --head``) and the streaming app, served on ``http_port`` by Serve's proxy;
+    the node's metrics agent serves every process's series on ``metrics_port``."""
+
+    gcs_port: int
+    http_port: int
+    metrics_port: int
+    log_path: Path
+    report_interval_ms: int = REPORT_INTERVAL_MS
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def _run(self, *args: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),  # Ray's workers import simulate.ray.app from here
+            "RAY_metrics_report_interval_ms": str(self.report_interval_ms),
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+        with self.log_path.open("ab") as log:
+            done = subprocess.run(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, timeout=timeout_s
+            )
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(args[:3])} failed (exit {done.returncode}): {self.log_tail()}")
+
+    def start(self) -> None:
+        """Start the head node and deploy the app; returns once the replica's series are on the metrics page."""
+        bin_dir = python_of(venv_dir()).parent
+        address = f"127.0.0.1:{self.gcs_port}"
+        self._run(
+            str(bin_dir / "ray"),
+            "start",
+            "--head",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.gcs_port}",
+            f"--metrics-export-port={self.metrics_port}",
+        )
+        self._run(
+            str(python_of(venv_dir())),
+            "-m",
+            "simulate.ray.app",
+            "--address",
+            address,
+            "--http-port",
+            str(self.http_port),
+        )
+        self._wait_exported("ray_serve_replica_processing_queries")
+
+    def _wait_exported(self, name: str) -> None:
+        """Return once the metrics agent's page has ``name``: the replica's first export comes up to 1.5 s after
+        Serve calls the app ready."""
+        give_up = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < give_up:
+            try:
+                with urllib.request.urlopen(f"{self.metrics_url}/metrics", timeout=2) as response:
+                    if f"\n{name}{{" in response.read().decode(errors="replace"):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{name} not on {self.metrics_url}/metrics within {START_TIMEOUT_S} s: {self.log_tail()}")
+
+    def stop(self) -> None:
+        """``ray stop --force``: every Ray process of this machine's sessions, as the node's own CLI stops them."""
+        self._run(str(python_of(venv_dir()).parent / "ray"), "stop", "--force", timeout_s=60)
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "no log"
+        return "\n".join(text.strip().splitlines()[-lines:])

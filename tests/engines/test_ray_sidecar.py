@@ -1,0 +1,115 @@
+"""The real ``spotdrain sidecar --engine ray`` beside real Ray Serve, with the flags and the export interval
+deploy/kuberay gives the worker: in-flight read from the node's metrics agent, the preStop held while streams run
+through Serve's HTTP proxy and returned soon after the last, and at once on a node where nothing ever ran.
+
+The tests share one Ray node and run in this order: the first needs a node that has never served a request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.engines import ENGINES, RAY_ZERO_CONFIRM_S, read_engine, sum_samples
+from simulate.fakes.processes import free_port, sidecar_args, start, status_of, stream, wait_http
+from simulate.ray.server import STEP_S, RayNode
+from tests.engines.test_sidecar_vllm import Sidecar, page
+
+ENDPOINT_DELAY_S = 1.0
+# Far shorter than any stream below: a count that holds still between Ray's exports must not end the drain.
+STALL_AFTER_S = 3.0
+# What the sidecar adds after Ray's page shows the last stream gone: the confirmation window and one poll.
+RELEASE_S = RAY_ZERO_CONFIRM_S + 0.5
+# How late Ray's page shows a stream's end at deploy/kuberay's interval (test_ray_signals measures it).
+PAGE_LAG_S = RAY_ZERO_CONFIRM_S
+
+
+@pytest.fixture
+async def sidecar(ray_node: RayNode, tmp_path: Path) -> AsyncIterator[Sidecar]:
+    """A sidecar as deploy/kuberay runs it beside a Ray worker, but with a short endpoint delay and stall window."""
+    port = free_port()
+    flags = ["--engine", "ray", "--drain-timeout", "60"]
+    extra = [*flags, "--endpoint-delay", str(ENDPOINT_DELAY_S), "--stall-after", str(STALL_AFTER_S)]
+    args = sidecar_args(port=port, engine_port=ray_node.metrics_port, drain_dir=tmp_path / "drain", extra=extra)
+    process = await start(args, log_path=tmp_path / "sidecar.log")
+    try:
+        await wait_http(f"http://127.0.0.1:{port}/ready", status=200, timeout_s=20)
+        yield Sidecar(port, tmp_path / "drain", tmp_path / "sidecar.log", process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def prestop(car: Sidecar) -> tuple[asyncio.subprocess.Process, float, float]:
+    """Run the preStop as the kubelet does; returns it, when it was run, and how long /ready took to answer 503."""
+    hook = await asyncio.create_subprocess_exec("/bin/sh", str(car.drain_dir / "prestop"))
+    asked = time.monotonic()
+    while (await status_of(f"http://127.0.0.1:{car.port}/ready"))[0] != 503:
+        await asyncio.sleep(0.01)
+    return hook, asked, time.monotonic() - asked
+
+
+async def timed_stream(node: RayNode, seconds: float) -> tuple[list[str], float]:
+    pieces = await stream(node.http_port, max_tokens=round(seconds / STEP_S))
+    return pieces, time.monotonic()
+
+
+def outcomes(car: Sidecar) -> list[object]:
+    return [e["outcome"] for e in car.events() if e["event"] in ("drain.finished", "drain.timeout")]
+
+
+async def test_a_node_that_never_served_is_released_within_the_endpoint_delay(
+    ray_node: RayNode, sidecar: Sidecar
+) -> None:
+    text = await page(ray_node.metrics_url)
+    print(
+        [line[:40] + line[-40:] for line in text.splitlines() if "processing_queries" in line or line.endswith("} 1.0")]
+    )
+    assert sum_samples(text, "ray_vllm_num_requests_running") is None, "this test needs a node that never served"
+    assert sum_samples(text, "ray_serve_replica_processing_queries") == 0
+    hook, asked, out_of_rotation_s = await prestop(sidecar)
+    await asyncio.wait_for(hook.wait(), 30)
+    returned_s = time.monotonic() - asked
+    print(f"out of rotation {out_of_rotation_s:.3f} s; preStop returned {returned_s:.2f} s after it ran")
+    assert out_of_rotation_s < 1
+    assert returned_s < ENDPOINT_DELAY_S + 2, f"the preStop returned {returned_s:.2f} s after it ran"
+    assert outcomes(sidecar) == ["drained"]
+
+
+async def test_three_streams_through_serve_are_held_to_their_end_and_released_soon_after(
+    ray_node: RayNode, sidecar: Sidecar
+) -> None:
+    # 8, 12 and 16 s: each spans many of Ray's exports (1 s) and outlasts the stall window several times over.
+    streams = [asyncio.create_task(timed_stream(ray_node, seconds)) for seconds in (8, 12, 16)]
+    await asyncio.sleep(2)
+    hook, _, out_of_rotation_s = await prestop(sidecar)
+    finished = await asyncio.gather(*streams)
+    last_end = max(end for _, end in finished)
+    assert hook.returncode is None, "the preStop held the engine's SIGTERM while the streams ran"
+    await asyncio.wait_for(hook.wait(), 30)
+    after_s = time.monotonic() - last_end
+    print(f"out of rotation {out_of_rotation_s:.3f} s; preStop returned {after_s:.2f} s after the last [DONE]")
+    assert [pieces[-1] for pieces, _ in finished] == ["[DONE]"] * 3
+    assert read_engine(await page(ray_node.metrics_url), ENGINES["ray"]).in_flight == 0
+    assert out_of_rotation_s < 1
+    assert after_s < PAGE_LAG_S + RELEASE_S, f"the preStop returned {after_s:.2f} s after the last [DONE]"
+    assert outcomes(sidecar) == ["drained"]
+
+
+async def test_a_stream_sent_just_before_the_prestop_is_held(ray_node: RayNode, sidecar: Sidecar) -> None:
+    # Ray's page shows it only up to 1.5 s later: after the endpoint delay the first readings may still say 0.
+    sent = asyncio.create_task(timed_stream(ray_node, 4))
+    await asyncio.sleep(0.3)
+    hook, _, _ = await prestop(sidecar)
+    pieces, end = await sent
+    assert pieces[-1] == "[DONE]"
+    assert hook.returncode is None, "the preStop held while the stream ran"
+    await asyncio.wait_for(hook.wait(), 30)
+    after_s = time.monotonic() - end
+    print(f"preStop returned {after_s:.2f} s after the stream's [DONE]")
+    assert after_s < PAGE_LAG_S + RELEASE_S
+    assert outcomes(sidecar) == ["drained"]
