@@ -48,9 +48,10 @@ def vllm_servers(vllm_pool: list[VllmServer]) -> list[VllmServer]:
     return vllm_pool
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNode]:
-    """One real Ray head node serving the streaming app, for the session; stopped with ``ray stop --force``."""
+    """A real Ray head node serving the streaming app, fresh for each module (one whose first test needs a node
+    that never served, and none left running beside the vLLM tests after); stopped with ``ray stop --force``."""
     reason = ray_available()
     if reason is not None:
         pytest.skip(reason)

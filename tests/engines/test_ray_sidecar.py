@@ -2,7 +2,7 @@
 deploy/kuberay gives the worker: in-flight read from the node's metrics agent, the preStop held while streams run
 through Serve's HTTP proxy and returned soon after the last, and at once on a node where nothing ever ran.
 
-The tests share one Ray node and run in this order: the first needs a node that has never served a request."""
+The tests share the module's Ray node and run in this order: the first needs a node that never served a request."""
 
 from __future__ import annotations
 
