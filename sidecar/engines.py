@@ -40,11 +40,13 @@ class EngineSpec:
     exporter_series: str | None = None
 
 
-# Ray's metrics agent exports what a node's processes recorded every RAY_metrics_report_interval_ms (10 s by
-# default; Ray's stats.h sets the exporter's report interval to at least 1 s and its harvest to at least 0.5 s), so
-# with 1000 in the pod's env its page lags the processes by up to 1.5 s: measured on Ray 2.49.0, 0.04-1.44 s
-# between a stream's end and its drop on the page (tests/engines/test_ray_signals.py).
-RAY_ZERO_CONFIRM_S = 1.5
+# Ray's metrics agent shows what a node's processes send it: each process harvests its series every half
+# RAY_metrics_report_interval_ms and sends them every interval (Ray's stats.h: at least 0.5 s and 1 s), so the page
+# lags a process by up to 1.5 intervals. At the default 10 s that is 15 s (measured on Ray 2.49.0: 14.9 s from a
+# stream's end to its drop on the page), which --engine ray waits by default; with 1000 in the pod's env it is 1.5 s
+# (measured: 0.04-1.44 s, tests/engines/test_ray_signals.py), which --zero-confirm then says.
+RAY_DEFAULT_LAG_S = 15.5
+RAY_LAG_AT_1000_MS_S = 1.5
 
 ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
@@ -90,8 +92,8 @@ ENGINES: dict[str, EngineSpec] = {
         required=("ray_serve_replica_processing_queries",),
         optional=("ray_serve_num_ongoing_http_requests",),
         health_path="/metrics",
-        zero_confirm_s=RAY_ZERO_CONFIRM_S,
-        counting_gap_s=RAY_ZERO_CONFIRM_S,
+        zero_confirm_s=RAY_DEFAULT_LAG_S,
+        counting_gap_s=RAY_DEFAULT_LAG_S,
         exporter_series="ray_node_mem_total",  # the agent's own, about its node, from its first export
     ),
 }

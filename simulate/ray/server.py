@@ -6,8 +6,8 @@ with that reason). What the install needs, learned here: Ray 2.49.0 (what deploy
 releases of its dependencies serves, except protobuf 7, which ``serve.run`` fails on: it is held below 7.
 
 One head node with 2 CPUs, no dashboard: the metrics agent (part of the per-node dashboard agent) runs all the
-same. ``RAY_metrics_report_interval_ms`` is set in the environment of ``ray start`` as deploy/kuberay sets it in the
-worker's container, so every process of the node (raylet, agent, Serve's replicas and proxy) exports at that pace.
+same. ``RAY_metrics_report_interval_ms`` is set in the environment of ``ray start`` as the Ray worker's container
+sets it, so every process of the node (raylet, agent, Serve's replicas and proxy) exports at that pace.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ REQUIREMENTS = (f"ray[serve]=={VERSION}", "protobuf<7")
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 900.0
 START_TIMEOUT_S = 120.0
-# What deploy/kuberay/raycluster.yaml sets in the worker's env: Ray's exporter takes no less than 1000.
+# What a Ray worker's container sets for the sidecar (docs/sidecar.md): Ray's exporter takes no less than 1000.
 REPORT_INTERVAL_MS = 1000
 
 

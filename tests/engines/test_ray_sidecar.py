@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.engines import ENGINES, RAY_ZERO_CONFIRM_S, read_engine, sum_samples
+from sidecar.engines import ENGINES, RAY_LAG_AT_1000_MS_S, read_engine, sum_samples
 from simulate.fakes.processes import free_port, sidecar_args, start, status_of, stream, wait_http
 from simulate.ray.server import STEP_S, RayNode
 from tests.engines.test_sidecar_vllm import Sidecar, page
@@ -22,16 +22,16 @@ ENDPOINT_DELAY_S = 1.0
 # Far shorter than any stream below: a count that holds still between Ray's exports must not end the drain.
 STALL_AFTER_S = 3.0
 # What the sidecar adds after Ray's page shows the last stream gone: the confirmation window and one poll.
-RELEASE_S = RAY_ZERO_CONFIRM_S + 0.5
+RELEASE_S = RAY_LAG_AT_1000_MS_S + 0.5
 # How late Ray's page shows a stream's end at deploy/kuberay's interval (test_ray_signals measures it).
-PAGE_LAG_S = RAY_ZERO_CONFIRM_S
+PAGE_LAG_S = RAY_LAG_AT_1000_MS_S
 
 
 @pytest.fixture
 async def sidecar(ray_node: RayNode, tmp_path: Path) -> AsyncIterator[Sidecar]:
     """A sidecar as deploy/kuberay runs it beside a Ray worker, but with a short endpoint delay and stall window."""
     port = free_port()
-    flags = ["--engine", "ray", "--drain-timeout", "60"]
+    flags = ["--engine", "ray", "--zero-confirm", str(RAY_LAG_AT_1000_MS_S), "--drain-timeout", "60"]
     extra = [*flags, "--endpoint-delay", str(ENDPOINT_DELAY_S), "--stall-after", str(STALL_AFTER_S)]
     args = sidecar_args(port=port, engine_port=ray_node.metrics_port, drain_dir=tmp_path / "drain", extra=extra)
     process = await start(args, log_path=tmp_path / "sidecar.log")
@@ -66,9 +66,6 @@ async def test_a_node_that_never_served_is_released_within_the_endpoint_delay(
     ray_node: RayNode, sidecar: Sidecar
 ) -> None:
     text = await page(ray_node.metrics_url)
-    print(
-        [line[:40] + line[-40:] for line in text.splitlines() if "processing_queries" in line or line.endswith("} 1.0")]
-    )
     assert sum_samples(text, "ray_vllm_num_requests_running") is None, "this test needs a node that never served"
     assert sum_samples(text, "ray_serve_replica_processing_queries") == 0
     hook, asked, out_of_rotation_s = await prestop(sidecar)

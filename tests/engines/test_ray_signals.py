@@ -9,7 +9,7 @@ import time
 
 import aiohttp
 
-from sidecar.engines import ENGINES, RAY_ZERO_CONFIRM_S, read_engine, sum_samples
+from sidecar.engines import ENGINES, RAY_LAG_AT_1000_MS_S, read_engine, sum_samples
 from simulate.fakes.processes import stream
 from simulate.ray.server import STEP_S, RayNode
 from tests.engines.test_sidecar_vllm import page
@@ -28,7 +28,7 @@ async def test_serves_and_vllms_series_carry_the_names_and_labels_the_sidecar_an
     ray_node: RayNode,
 ) -> None:
     await stream(ray_node.http_port, max_tokens=4)
-    await asyncio.sleep(RAY_ZERO_CONFIRM_S + READ_S)
+    await asyncio.sleep(RAY_LAG_AT_1000_MS_S + READ_S)
     text = await page(ray_node.metrics_url)
     replica = sample_line(text, SERVE[0])
     for label in ('application="llm"', 'deployment="Llm"', "replica=", 'Component="core_worker"'):
@@ -65,7 +65,7 @@ async def test_the_page_shows_a_streams_end_within_the_confirmation_window(ray_n
 
     watch = asyncio.create_task(readings(ray_node, done))
     await asyncio.gather(*(one(i) for i in range(len(seconds))))
-    await asyncio.sleep(RAY_ZERO_CONFIRM_S + 0.5)
+    await asyncio.sleep(RAY_LAG_AT_1000_MS_S + 0.5)
     done.set()
     seen = await watch
     # Each stream counts twice: in the proxy and in the replica. A stream's end shows once the count falls to what
@@ -75,7 +75,7 @@ async def test_the_page_shows_a_streams_end_within_the_confirmation_window(ray_n
         shown = next(at for at, count in seen if at >= end and count <= 2 * left)
         lags.append(round(shown - end, 2))
     print(f"the page showed each stream's end {min(lags)}-{max(lags)} s after it: {sorted(lags)}")
-    assert max(lags) <= RAY_ZERO_CONFIRM_S + READ_S
+    assert max(lags) <= RAY_LAG_AT_1000_MS_S + READ_S
 
 
 async def test_a_stream_whose_client_left_leaves_serves_count(ray_node: RayNode) -> None:
@@ -83,10 +83,10 @@ async def test_a_stream_whose_client_left_leaves_serves_count(ray_node: RayNode)
         body = {"max_tokens": round(30 / STEP_S), "stream": True}
         response = await session.post(f"{ray_node.url}/v1/completions", json=body)
         await response.content.readline()
-        await asyncio.sleep(RAY_ZERO_CONFIRM_S + READ_S)
+        await asyncio.sleep(RAY_LAG_AT_1000_MS_S + READ_S)
         assert read_engine(await page(ray_node.metrics_url), ENGINES["ray"]).in_flight == 2
         response.close()
     left = time.monotonic()
     while read_engine(await page(ray_node.metrics_url), ENGINES["ray"]).in_flight != 0:
-        assert time.monotonic() - left < RAY_ZERO_CONFIRM_S + READ_S, "Serve still counts the stream"
+        assert time.monotonic() - left < RAY_LAG_AT_1000_MS_S + READ_S, "Serve still counts the stream"
         await asyncio.sleep(0.02)

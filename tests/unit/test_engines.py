@@ -217,3 +217,9 @@ def test_a_page_without_rays_node_series_is_no_zero_for_ray() -> None:
     assert caught.value.kind == "missing"
     with pytest.raises(MetricsError):
         in_flight(RAY_NODE, custom_engine("ray_vllm_num_requests_running"))
+
+
+def test_ray_believes_a_zero_only_once_rays_default_export_could_have_shown_a_stream() -> None:
+    # Each process harvests every half interval and sends every interval (10 s unless the pod's env says less):
+    # a page can lag by 15 s, and a zero believed sooner could release a pod with streams not shown yet.
+    assert ENGINES["ray"].zero_confirm_s >= 1.5 * 10.0
