@@ -27,11 +27,22 @@ RELEASE_S = RAY_LAG_AT_1000_MS_S + 0.5
 PAGE_LAG_S = RAY_LAG_AT_1000_MS_S
 
 
+# Serve's count, as a Ray worker's sidecar reads it at an export each second.
+SERVE = ("--engine", "ray", "--zero-confirm", str(RAY_LAG_AT_1000_MS_S))
+# vLLM's gauges under Ray with no token counter, as deploy/kuberay read them before --engine ray: a count that
+# holds still between exports once ended such a drain as stalled while the streams ran.
+VLLM_GAUGES = (
+    *("--engine", "custom", "--in-flight-metric", "ray_vllm_num_requests_running,ray_vllm_num_requests_waiting"),
+    *("--engine-health-path", "/metrics", "--zero-confirm", str(RAY_LAG_AT_1000_MS_S)),
+)
+
+
 @pytest.fixture
-async def sidecar(ray_node: RayNode, tmp_path: Path) -> AsyncIterator[Sidecar]:
-    """A sidecar as deploy/kuberay runs it beside a Ray worker, but with a short endpoint delay and stall window."""
+async def sidecar(ray_node: RayNode, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Sidecar]:
+    """A sidecar beside the Ray node with the engine flags of ``request.param`` (default: Serve's count), a short
+    endpoint delay and a short stall window."""
     port = free_port()
-    flags = ["--engine", "ray", "--zero-confirm", str(RAY_LAG_AT_1000_MS_S), "--drain-timeout", "60"]
+    flags = [*getattr(request, "param", SERVE), "--drain-timeout", "60"]
     extra = [*flags, "--endpoint-delay", str(ENDPOINT_DELAY_S), "--stall-after", str(STALL_AFTER_S)]
     args = sidecar_args(port=port, engine_port=ray_node.metrics_port, drain_dir=tmp_path / "drain", extra=extra)
     process = await start(args, log_path=tmp_path / "sidecar.log")
@@ -77,6 +88,7 @@ async def test_a_node_that_never_served_is_released_within_the_endpoint_delay(
     assert outcomes(sidecar) == ["drained"]
 
 
+@pytest.mark.parametrize("sidecar", [SERVE, VLLM_GAUGES], ids=["serve", "vllm-gauges"], indirect=True)
 async def test_three_streams_through_serve_are_held_to_their_end_and_released_soon_after(
     ray_node: RayNode, sidecar: Sidecar
 ) -> None:
