@@ -8,12 +8,9 @@ stream ends whole and the engine stops with nothing in flight. Each moment is pr
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,11 +18,12 @@ from typing import Any
 
 from spotdrain.clock import rfc3339
 from tests.install import installing, reset, runtime
+from tests.install.cases import Completion, Follow, Moments, Watch, check_drained_whole, notice_reads, parsed
 from tests.install.conftest import SPOT
 from tests.install.node import Cluster
 from tests.install.reset import imds
 from tests.install.test_install import wait_ready
-from tests.install.test_notice import INTERRUPTION, Completion, Moments, Watch, notice_reads
+from tests.install.test_notice import INTERRUPTION
 
 # 14-18 s at the fake engine's 50 tokens/s: the restarted agent (Python's start on 2 shared cores, its first IMDS
 # poll) is back while the evicted pod is still held by its streams
@@ -38,22 +36,6 @@ TIMEOUT_S = 60.0
 RESTARTED = "agent container restarted (restartCount up)"
 RESUMED = "restarted agent resumed: node already marked"
 DRAINED = "restarted agent: node drained"
-
-
-class Follow(Watch):
-    """``kubectl logs -f ARGS`` in the background: each line with when it came, ``marks`` as in Watch."""
-
-    def __init__(self, cluster: Cluster, moments: Moments, args: list[str], marks: dict[str, Any]) -> None:
-        argv = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "logs", "-f", *args]
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self.what, self.moments, self.marks = f"logs {args[0]}", moments, marks
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def events(self) -> list[dict[str, Any]]:
-        """The structured log lines (JSON, as the programs log in a cluster)."""
-        return [event for _, line in self.lines if isinstance(event := _json(line), dict)]
 
 
 def agent_pod(cluster: Cluster) -> dict[str, Any]:
@@ -103,41 +85,13 @@ def node_marks(node: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def check_drained_whole(streams: list[Completion], seen: dict[str, float], engine: list[dict[str, Any]]) -> None:
-    """Every stream ended whole, the pod went after the last one (deleted first, gone within GONE_WITHIN_S), and the
-    engine stopped with nothing in flight: its JSON log lines (simulate/fakes/engine.py) say how many streams were
-    open when SIGTERM came, and how many it cut."""
-    for stream in streams:
-        assert stream.chunks()[-1:] == ["[DONE]"], f"stream {stream.number}: {stream.answer[-500:]} {stream.errors}"
-        assert stream.tokens() == stream.max_tokens, f"stream {stream.number}: {stream.answer[-500:]}"
-    last_stream = max(at for what, at in seen.items() if what.startswith("stream "))
-    assert seen["pod deletion started"] < seen["pod gone"]
-    assert 0 <= seen["pod gone"] - last_stream <= GONE_WITHIN_S, seen
-    assert seen["engine container exited"] >= last_stream, seen
-    by_event = {event.get("event"): event for event in engine}
-    assert by_event.get("engine.stopping", {}).get("streams") == 0, engine[-20:]
-    assert by_event.get("engine.stopped", {}).get("cut") == 0, engine[-20:]
-    assert by_event["engine.stopped"]["completed"] >= len(streams), by_event["engine.stopped"]
-
-
-def _json(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
-
-
-def _lines(moments: Moments) -> list[str]:
-    return [f"[agent restart] {at:6.2f} s  {what}" for what, at in sorted(moments.seen.items(), key=lambda i: i[1])]
-
-
 def test_an_agent_killed_mid_drain_comes_back_and_finishes_the_drain(installed: installing.Installed) -> None:
     cluster = installed.cluster
     reset.fresh_spot_node(installed)
     engine_pod = wait_ready(installed, "inference", reset.ENGINE, "vllm pod Ready (for the agent's restart)")
     name, agent = engine_pod["metadata"]["name"], agent_pod(cluster)
     agent_name, restarts = agent["metadata"]["name"], int(agent_status(agent)["restartCount"])
-    moments = Moments()
+    moments = Moments("agent restart")
     node_template = 'jsonpath={.spec.unschedulable}|{.spec.taints}{"\\n"}'
     exited = '{.status.containerStatuses[?(@.name=="vllm")].state.terminated.exitCode}'
     restarted = '{.status.containerStatuses[?(@.name=="agent")].restartCount}'
@@ -218,7 +172,7 @@ def test_an_agent_killed_mid_drain_comes_back_and_finishes_the_drain(installed: 
     finally:
         for watch in [*watching, engine_log, *([resumed] if resumed else [])]:
             watch.stop()
-        print("\n" + "\n".join(_lines(moments)))
+        print("\n" + "\n".join(moments.lines()))
         if resumed is not None:  # what the restarted agent did, its IMDS polls left out
             acted = [(at, line) for at, line in resumed.lines if '"imds.' not in line]
             print("\n".join(f"[agent restart] {at:6.2f} s  restarted agent: {line[:300]}" for at, line in acted))
@@ -227,7 +181,7 @@ def test_an_agent_killed_mid_drain_comes_back_and_finishes_the_drain(installed: 
 
     assert killed["restartCount"] == restarts + 1, killed
     assert killed["lastState"]["terminated"]["exitCode"] == KILLED, killed["lastState"]
-    first = [event for line in previous.splitlines() if isinstance(event := _json(line), dict)]
+    first = [event for line in previous.splitlines() if isinstance(event := parsed(line), dict)]
     assert any(e.get("event") == "pod.evicted" and e.get("pod") == name for e in first), previous[-3000:]
     assert not any(e.get("event") == "node.drained" for e in first), "the first agent finished before the kill"
 
@@ -249,4 +203,4 @@ def test_an_agent_killed_mid_drain_comes_back_and_finishes_the_drain(installed: 
     assert draining["skipped"].get(f"inference/{name}") == "terminating", draining
     assert again["pod.gone"]["pod"] == f"inference/{name}", again["pod.gone"]
     assert again["node.drained"]["not_evicted"] == [], again["node.drained"]
-    check_drained_whole(streams, seen, engine_log.events())
+    check_drained_whole(streams, seen, engine_log.events(), GONE_WITHIN_S)

@@ -6,16 +6,14 @@ as a timeline (``pytest -s``). It leaves the node cordoned, so it runs after the
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import threading
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from spotdrain.clock import rfc3339
 from tests.install import installing
+from tests.install.cases import Completion, Moments, Poll, Watch, check_drained_whole, notice_reads, parsed
 from tests.install.conftest import SPOT
 from tests.install.node import Cluster
 from tests.install.reset import imds
@@ -33,116 +31,6 @@ GONE_WITHIN_S = 6.0  # with the slack 2 shared cores need (the kubelet's preStop
 INTERRUPTION = {"key": "spotdrain.io/interruption", "value": "spot-interruption", "effect": "NoSchedule"}
 TIMEOUT_S = 60.0
 POLL_S = 0.1
-
-
-class Moments:
-    """When each thing was first seen, in seconds since the test began (one clock for every thread)."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.seen: dict[str, float] = {}
-        self.lock = threading.Lock()
-
-    def mark(self, what: str) -> float:
-        with self.lock:
-            return self.seen.setdefault(what, time.monotonic() - self.started)
-
-    def lines(self) -> list[str]:
-        return [f"[notice] {at:6.2f} s  {what}" for what, at in sorted(self.seen.items(), key=lambda item: item[1])]
-
-
-class Watch:
-    """``kubectl get ... -w -o jsonpath=TEMPLATE`` in the background: each line the API server's watch gives, with
-    when it came; ``matched`` marks ``what`` at the first line ``test`` accepts."""
-
-    def __init__(self, cluster: Cluster, moments: Moments, args: list[str], marks: dict[str, Any]) -> None:
-        argv = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "get", "-w", *args]
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self.what = args[0]
-        self.moments, self.marks = moments, marks
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._saw(line.rstrip("\n"))
-
-    def _saw(self, line: str) -> None:
-        self.lines.append((time.monotonic() - self.moments.started, line))
-        for what, test in self.marks.items():
-            if test(line):
-                self.moments.mark(what)
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-        self.thread.join(timeout=10)
-
-
-class Poll(Watch):
-    """The same, asked every ``POLL_S`` (``kubectl get`` without ``-w``): the watch of the EndpointSlice, listed by
-    its label, gave no event after its first here."""
-
-    def __init__(self, cluster: Cluster, moments: Moments, args: list[str], marks: dict[str, Any]) -> None:
-        self.argv = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "get", *args]
-        self.lines = []
-        self.what, self.moments, self.marks = args[0], moments, marks
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def _poll(self) -> None:
-        last = None
-        while not self.stopped.wait(POLL_S):
-            done = subprocess.run(self.argv, capture_output=True, text=True, timeout=TIMEOUT_S)
-            line = (done.stdout + done.stderr).strip()
-            if line != last:
-                self._saw(line)
-                last = line
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.thread.join(timeout=TIMEOUT_S)
-
-
-class Completion:
-    """One streamed completion asked through the API server's proxy to the pod (``kubectl create --raw``, as
-    test_install.py asks one); its answer comes back whole when the stream ends."""
-
-    def __init__(self, cluster: Cluster, proxy: str, max_tokens: int, moments: Moments, number: int) -> None:
-        self.max_tokens, self.moments, self.number = max_tokens, moments, number
-        request = {"model": "Qwen/Qwen2.5-7B-Instruct", "prompt": "Hello", "max_tokens": max_tokens, "stream": True}
-        request["stream_options"] = {"include_usage": True}
-        argv = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "create", "--raw", f"{proxy}/v1/completions"]
-        self.process = subprocess.Popen(
-            [*argv, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.answer, self.errors = "", ""
-        self.thread = threading.Thread(target=self._wait, args=(json.dumps(request),), daemon=True)
-        self.thread.start()
-
-    def _wait(self, request: str) -> None:
-        try:
-            self.answer, self.errors = self.process.communicate(request, timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.answer, self.errors = self.process.communicate()
-        self.moments.mark(f"stream {self.number} ended ({self.max_tokens} tokens asked)")
-
-    def chunks(self) -> list[str]:
-        return [line.removeprefix("data: ") for line in self.answer.splitlines() if line.startswith("data: ")]
-
-    def tokens(self) -> int:
-        usage = [json.loads(chunk).get("usage") for chunk in self.chunks() if chunk != "[DONE]"]
-        counted = [u["completion_tokens"] for u in usage if u]
-        return int(counted[-1]) if counted else -1
-
-
-def notice_reads(cluster: Cluster) -> int:
-    counts: dict[str, int] = imds(cluster, "request_counts")
-    return sum(n for path, n in counts.items() if path.endswith("spot/instance-action"))
 
 
 def _field(line: str, index: int) -> str:
@@ -181,7 +69,7 @@ def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(instal
     cluster = installed.cluster
     pod = wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready (for the notice)")
     name = pod["metadata"]["name"]
-    moments = Moments()
+    moments = Moments("notice")
     logs = subprocess.Popen(
         ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "logs", "-f", "-n", "inference", name, "-c", "vllm"],
         stdout=subprocess.PIPE,
@@ -242,24 +130,7 @@ def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(instal
     assert "node tainted and cordoned" in seen
 
     assert out_of_rotation <= OUT_OF_ROTATION_WITHIN_S, moments.lines()
-    for stream in streams:
-        chunks = stream.chunks()
-        assert chunks[-1:] == ["[DONE]"], f"stream {stream.number}: {stream.answer[-500:]} {stream.errors}"
-        assert stream.tokens() == stream.max_tokens, f"stream {stream.number}: {stream.answer[-500:]}"
     assert seen["endpoint ready: false"] < last_stream, "the notice came after the streams ended: make them longer"
-
-    assert seen["pod deletion started"] < seen["pod gone"]
-    assert 0 <= after_last <= GONE_WITHIN_S, moments.lines()
-    assert seen["engine container exited"] >= last_stream, moments.lines()
-    # the fake engine's JSON log lines (simulate/fakes/engine.py): streams open when SIGTERM came, and cut by it
-    events = {e.get("event"): e for e in map(_json, engine_log.splitlines()) if isinstance(e, dict)}
-    assert events.get("engine.stopping", {}).get("streams") == 0, engine_log[-3000:]
-    assert events.get("engine.stopped", {}).get("cut") == 0, engine_log[-3000:]
-    assert events["engine.stopped"]["completed"] >= len(STREAMS), events["engine.stopped"]
-
-
-def _json(line: str) -> Any:
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
+    check_drained_whole(
+        streams, seen, [e for e in map(parsed, engine_log.splitlines()) if isinstance(e, dict)], GONE_WITHIN_S
+    )
