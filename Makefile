@@ -20,10 +20,11 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest
 
-# The real-engine tier: real vLLM (a CPU build, in a venv of its own outside the repository) serving a tiny model.
-# Where vLLM cannot be installed, its tests report skipped with the reason.
+# The real-engine tier: real vLLM (a CPU build) serving a tiny model, and real Ray Serve, each in a venv of its own
+# outside the repository. Where one cannot be installed, its tests report skipped with the reason.
 test-engines: $(STAMP)
 	$(BIN)/python -m simulate.vllm install
+	$(BIN)/python -m simulate.ray install
 	SPOTDRAIN_ENGINE_TIER=1 $(BIN)/pytest tests/engines
 
 # The end-to-end tier: the four Dockerfiles built as they are (podman, in a store of its own,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from inject.spec import (
     ENGINE_PORTS,
+    RAY_EXPORT_INTERVAL,
+    RAY_LAG_INTERVALS,
     RAY_METRICS_PORT,
-    RAY_VLLM_IN_FLIGHT,
     SIDECAR,
     InjectError,
     Obj,
@@ -45,20 +46,27 @@ def engine_args(container: Obj, engine: str, ray_params: Obj | None) -> list[str
     if ray_params is None:
         return ["--engine", engine, "--engine-url", f"http://127.0.0.1:{engine_port(container, engine)}"]
     if engine != "vllm":
-        raise InjectError(f"on Ray the sidecar reads vLLM's metrics through Ray's metrics agent, not {engine}'s")
+        raise InjectError(f"on Ray the sidecar reads Serve's count through Ray's metrics agent, not {engine}'s")
     port = str(ray_params.get("metrics-export-port", RAY_METRICS_PORT))
     if not port.isdigit():
         raise InjectError(f"rayStartParams metrics-export-port {port!r} is not a port")
-    return [
-        "--engine",
-        "custom",
-        "--in-flight-metric",
-        RAY_VLLM_IN_FLIGHT,
-        "--engine-url",
-        f"http://127.0.0.1:{port}",
-        "--engine-health-path",
-        "/metrics",
-    ]
+    args = ["--engine", "ray", "--engine-url", f"http://127.0.0.1:{port}"]
+    # The sidecar's own wait for a zero covers Ray's default export (10 s); a container that sets its own, each
+    # second as docs/sidecar.md says, is waited for as long as its page can lag, and released that much sooner.
+    interval_ms = _export_interval_ms(container)
+    if interval_ms is not None:
+        args += ["--zero-confirm", f"{RAY_LAG_INTERVALS * interval_ms / 1000:g}"]
+    return args
+
+
+def _export_interval_ms(container: Obj) -> int | None:
+    where = f"container {container.get('name')!r}"
+    for variable in list_of(container, "env", where):
+        if isinstance(variable, dict) and variable.get("name") == RAY_EXPORT_INTERVAL:
+            value = str(variable.get("value", ""))
+            # Ray raises anything lower to 1000 (src/ray/stats/stats.h)
+            return max(int(value), 1000) if value.isdigit() else None
+    return None
 
 
 def engine_of(container: Obj) -> str | None:

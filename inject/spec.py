@@ -22,9 +22,13 @@ WITHOUT_POLICY = (
     "with the instance"
 )
 ENGINE_PORTS = {"vllm": 8000, "tgi": 80, "sglang": 30000}
-# Ray's metrics agent serves vLLM's gauges renamed (":" becomes "_", "ray_" in front) on each node's export port.
+# Ray's metrics agent serves every local process's series (Serve's count of its requests, which the sidecar's
+# --engine ray reads) on each node's export port.
 RAY_METRICS_PORT = 8080
-RAY_VLLM_IN_FLIGHT = "ray_vllm_num_requests_running,ray_vllm_num_requests_waiting"
+# The export interval a Ray container may set (Ray takes no less than 1000 ms), and how late Ray's page then shows a
+# stream's end, in intervals: 1.5 s at 1000 ms, 15 s at the default 10 s (sidecar.engines, measured on Ray 2.49).
+RAY_EXPORT_INTERVAL = "RAY_metrics_report_interval_ms"
+RAY_LAG_INTERVALS = 1.5
 Obj = dict[str, Any]
 
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.drain.metrics import AgentMetrics
 from agent.node_settings import API_LIMITS
-from sidecar.engines import ENGINES
+from sidecar.engines import RAY_LAG_AT_1000_MS_S
 from sidecar.metrics import SidecarMetrics
 from spotdrain.settings import env_name
 from tests.conftest import every_series
@@ -26,6 +26,7 @@ from tests.deploy.manifests import (
     invocations,
     kustomizations,
     named,
+    one,
     option_strings,
     parse,
     pod_templates,
@@ -210,13 +211,15 @@ def test_the_dashboard_shows_every_series_of_the_agent_and_the_sidecar() -> None
     assert {family.name for family in registry.collect()} <= shown
 
 
-def test_ray_workers_read_vllms_gauges_under_the_names_ray_gives_them() -> None:
-    vllm = ENGINES["vllm"]
-    renamed = ",".join("ray_" + name.replace(":", "_") for name in (*vllm.required, *vllm.optional))
+def test_ray_workers_read_serves_count_at_the_export_interval_their_sidecar_waits_for() -> None:
     cluster = render("deploy/kuberay")
     for call in invocations(cluster):
         if call.subcommand == "sidecar":
-            assert call.argv[call.argv.index("--in-flight-metric") + 1] == renamed
+            assert call.argv[call.argv.index("--engine") + 1] == "ray"
+            assert float(call.argv[call.argv.index("--zero-confirm") + 1]) == RAY_LAG_AT_1000_MS_S
+    worker = one(cluster, "RayCluster", "llm")["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    ray = next(c for c in worker["containers"] if c["name"] == "ray-worker")
+    assert {"name": "RAY_metrics_report_interval_ms", "value": "1000"} in ray["env"]
 
 
 # Flags -------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from inject import spec
 from inject.manifest import inject_text, split_documents
 from inject.spec import InjectError, Options
-from sidecar.engines import ENGINES
+from sidecar.engines import RAY_DEFAULT_LAG_S, RAY_LAG_AT_1000_MS_S
 from sidecar.gate import CONDITION
 from sidecar.settings import SidecarSettings
 from spotdrain.cli import build_parser, main
@@ -167,10 +167,7 @@ def test_inject_uses_the_names_the_sidecar_and_the_agent_use() -> None:
     assert (sidecar.port, str(sidecar.drain_dir), CONDITION) == (spec.SIDECAR_PORT, spec.DRAIN_DIR, spec.GATE)
     assert Options().drain_timeout_s == sidecar.drain_timeout
     assert f"http://$(HOST_IP):{node.notice_port}/v1/notice" == spec.DEFAULT_NOTICE_URL
-    vllm = ENGINES["vllm"]
-    assert spec.RAY_VLLM_IN_FLIGHT.split(",") == [
-        "ray_" + n.replace(":", "_") for n in (*vllm.required, *vllm.optional)
-    ]
+    assert spec.RAY_LAG_INTERVALS == RAY_LAG_AT_1000_MS_S  # the wait at 1000 ms, the least Ray takes
 
 
 def test_a_vllm_deployment_gets_the_sidecar_probe_prestop_volume_and_grace(
@@ -229,11 +226,21 @@ def test_a_ray_clusters_gpu_workers_get_the_sidecar_and_the_cpu_head_does_not(
     assert [c["name"] for c in head.containers] == ["ray-head"]
     assert [c["name"] for c in worker.containers] == ["ray-worker", "spotdrain"]
     settings, _ = _sidecar(out, monkeypatch, capsys)
-    assert settings.engine.kind == "custom"
-    assert settings.engine.port == 9090
-    assert settings.engine.in_flight_metric == "ray_vllm_num_requests_running,ray_vllm_num_requests_waiting"
+    assert (settings.engine.kind, settings.engine.port) == ("ray", 9090)
+    assert settings.drain.zero_confirm_s == RAY_DEFAULT_LAG_S  # Ray's default export: its page lags up to 15 s
     assert worker.spec["terminationGracePeriodSeconds"] == 130
     assert schema_errors(yaml.safe_load(out)) == []
+
+
+@pytest.mark.parametrize(("interval", "wait_s"), [("1000", 1.5), ("250", 1.5), ("5000", 7.5)])
+def test_a_ray_worker_that_sets_its_export_interval_is_waited_for_as_long_as_its_page_lags(
+    interval: str, wait_s: float, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ray takes no less than 1000 ms (src/ray/stats/stats.h), and its page shows a stream's end up to 1.5
+    intervals late (docs/sidecar.md)."""
+    env = f"              env: [{{name: RAY_metrics_report_interval_ms, value: '{interval}'}}]\n"
+    settings, _ = _sidecar(_inject(RAY + env), monkeypatch, capsys)
+    assert (settings.engine.kind, settings.drain.zero_confirm_s) == ("ray", wait_s)
 
 
 def test_other_documents_are_kept_byte_for_byte() -> None:
