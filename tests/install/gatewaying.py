@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 import yaml
 
 from tests.install import installing
+from tests.install.cases import Moments
 from tests.install.conftest import STABLE, Images
 from tests.install.engine import Podman
 from tests.install.node import Cluster
 from tests.install.test_install import wait_ready
-from tests.install.test_notice import Moments
 
 GATEWAY = "app.kubernetes.io/name=spotdrain-gateway"
 SERVICE_PROXY = "/api/v1/namespaces/inference/services/spotdrain-gateway:http/proxy"
@@ -115,20 +115,22 @@ def on_demand(installed: installing.Installed) -> Iterator[dict[str, Any]]:
 @dataclass
 class Stream:
     """One completion POSTed through the API server's proxy at ``path``, read as a client reads server-sent events:
-    each line with when it came (seconds on ``moments``' clock). ``start()`` runs it in the background."""
+    each line with when it came (seconds on ``moments``' clock). ``start()`` runs it in the background; ``kubectl``
+    asks it with ``kubectl create --raw`` instead (client-go, which gives the body whole once it has ended)."""
 
     cluster: Cluster
     path: str
     request: dict[str, Any]
     moments: Moments
     name: str
+    kubectl: bool = False
     lines: list[tuple[float, str]] = field(default_factory=list)
     status: int = 0
     failure: str = ""
     thread: threading.Thread | None = None
 
     def start(self) -> Stream:
-        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread = threading.Thread(target=self._ask if self.kubectl else self._read, daemon=True)
         self.thread.start()
         return self
 
@@ -151,15 +153,31 @@ class Stream:
             response = connection.getresponse()
             self.status = response.status
             while line := response.readline():  # each read bounded by the connection's timeout
-                at = time.monotonic() - self.moments.started
-                self.lines.append((at, line.decode().rstrip("\r\n")))
-                if line.startswith(b"data: "):
-                    self.moments.mark(f"{self.name}: first event read by the client")
+                self._line(line.decode())
+            if not self.lines:
+                self.failure = f"no body: {response.getheaders()}"
         except (OSError, http.client.HTTPException) as error:
             self.failure = repr(error)
         finally:
             connection.close()
             self.moments.mark(f"{self.name}: ended")
+
+    def _ask(self) -> None:
+        argv = ["create", "--raw", f"{self.path}/v1/completions", "-f", "-"]
+        try:
+            answer = self.cluster.kubectl(*argv, input=json.dumps(self.request), timeout_s=TIMEOUT_S)
+            self.status = 200
+            for line in answer.splitlines():
+                self._line(line)
+        except AssertionError as error:
+            self.failure = str(error)
+        finally:
+            self.moments.mark(f"{self.name}: ended")
+
+    def _line(self, line: str) -> None:
+        self.lines.append((time.monotonic() - self.moments.started, line.rstrip("\r\n")))
+        if line.startswith("data: "):
+            self.moments.mark(f"{self.name}: first event read by the client")
 
     def chunks(self) -> list[str]:
         return [line.removeprefix("data: ") for _, line in self.lines if line.startswith("data: ")]

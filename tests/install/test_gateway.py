@@ -14,13 +14,14 @@ from typing import Any
 
 from spotdrain.clock import rfc3339
 from tests.install import gatewaying, installing, reset
+from tests.install.cases import Moments, notice_reads
 from tests.install.conftest import SPOT, STABLE, Images
 from tests.install.engine import Podman
 from tests.install.gatewaying import Stream
 from tests.install.node import Cluster
 from tests.install.reset import imds
 from tests.install.test_install import wait_ready
-from tests.install.test_notice import Moments, notice_reads, watches
+from tests.install.test_notice import watches
 
 # 25 s at the fake engine's 50 tokens/s: the notice comes 2 s in, its deadline 20 s later
 MAX_TOKENS = 1250
@@ -51,16 +52,21 @@ def seen_at(moments: Moments, what: str, at: float) -> None:
 
 
 def continued(cluster: Cluster, gateway: str) -> list[dict[str, Any]]:
-    """The gateway's ``gateway.continued`` log events (JSON, as it logs in a cluster)."""
+    """The gateway's ``gateway.continued`` log events (JSON, as it logs in a cluster). Its workers share the
+    container's stderr and each writes a line as two writes (the event, then its newline: structlog's PrintLogger
+    prints), so two workers logging at once leave two events on one line: every object on a line is read."""
     logs = cluster.kubectl("logs", "-n", "inference", gateway, "-c", "gateway", check=False)
-    events = []
+    decoder, events = json.JSONDecoder(), []
     for line in logs.splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("event") == "gateway.continued":
-            events.append(event)
+        at = line.find("{")
+        while at >= 0:
+            try:
+                event, end = decoder.raw_decode(line, at)
+            except ValueError:
+                break
+            if isinstance(event, dict) and event.get("event") == "gateway.continued":
+                events.append(event)
+            at = line.find("{", end)
     return events
 
 
@@ -109,7 +115,10 @@ def test_a_stream_that_outlives_the_spot_deadline_is_continued_on_the_stable_rep
 ) -> None:
     cluster = installed.cluster
     reset.fresh_spot_node(installed)
-    gateway = gatewaying.install(installed, images, podman)["metadata"]["name"]
+    pod = gatewaying.install(installed, images, podman)
+    # the gateway shares the namespace labelled for injection and runs no engine: no sidecar holds it
+    assert [container["name"] for container in pod["spec"]["containers"]] == ["gateway"]
+    gateway = pod["metadata"]["name"]
     spot = wait_ready(installed, "inference", reset.ENGINE, "vllm pod Ready (for the gateway)")
     assert spot["spec"]["nodeName"] == SPOT.name
     spot_name = spot["metadata"]["name"]
@@ -118,11 +127,11 @@ def test_a_stream_that_outlives_the_spot_deadline_is_continued_on_the_stable_rep
         both = "the gateway seeing both replicas ready"
         cluster.wait_for(both, lambda: backends_ready(cluster, gateway) >= 2, TIMEOUT_S)
         installed.timeline.note("the gateway sees both replicas")
-        moments, wall = Moments(), datetime.now(UTC)
+        moments, wall = Moments("gateway"), datetime.now(UTC)
         watching = watches(cluster, moments, spot_name)
         try:
             direct = f"/api/v1/namespaces/inference/pods/{stable['metadata']['name']}:8000/proxy"
-            reference = Stream(cluster, direct, REQUEST, moments, "reference, direct to the stable replica").start()
+            reference = Stream(cluster, direct, REQUEST, moments, "reference, direct", kubectl=True).start()
             streams = [
                 Stream(cluster, gatewaying.SERVICE_PROXY, REQUEST, moments, f"gateway stream {n}").start()
                 for n in range(1, GATEWAY_STREAMS + 1)
@@ -140,7 +149,7 @@ def test_a_stream_that_outlives_the_spot_deadline_is_continued_on_the_stable_rep
         events = continued(cluster, gateway)
         note_splices(moments, wall, events, streams)
         names = {spot_url: spot_name, stable_url: stable["metadata"]["name"]}
-        print("\n" + "\n".join(line.replace("[notice]", "[gateway]") for line in moments.lines()))
+        print("\n" + "\n".join(moments.lines()))
         print(f"[gateway] backends: {names}")
     on_stable = ["pods", "-n", "inference", "-l", reset.ENGINE, f"--field-selector=spec.nodeName={STABLE.name}"]
     assert not cluster.get(*on_stable)["items"], "an engine replica left on the stable node for the later cases"
@@ -148,7 +157,7 @@ def test_a_stream_that_outlives_the_spot_deadline_is_continued_on_the_stable_rep
     assert_whole(reference, streams)
     seen = moments.seen
     # the API server's proxy passes each event on as it comes: the clients read theirs long before the notice
-    for stream in [reference, *streams]:
+    for stream in streams:
         assert seen[f"{stream.name}: first event read by the client"] < seen["notice served"], moments.lines()
     moved = [stream for stream in streams if stream.splices()]
     assert moved, f"no stream was continued: none went to the Spot replica? {events}"
