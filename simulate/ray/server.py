@@ -3,7 +3,9 @@
 Ray is never a dependency of spotdrain: ``install()`` puts PyPI's ``ray[serve]`` into a venv of its own beside
 vLLM's, outside the repository, and ``available()`` says why it cannot be used where it cannot (the tests then skip
 with that reason). What the install needs, learned here: Ray 2.49.0 (what deploy/kuberay runs) with today's
-releases of its dependencies serves, except protobuf 7, which ``serve.run`` fails on: it is held below 7.
+releases of its dependencies serves, except protobuf 7, which ``serve.run`` fails on: it is held below 7. pyarrow
+(of Ray's ``llm`` extra) is what Ray Serve LLM's config models need to import; the rest of that extra, vLLM above all,
+is GPU-sized and left out, so ``ray.serve.llm`` itself (which imports vLLM) does not import here.
 
 One head node with 2 CPUs, no dashboard: the metrics agent (part of the per-node dashboard agent) runs all the
 same. ``RAY_metrics_report_interval_ms`` is set in the environment of ``ray start`` as the Ray worker's container
@@ -26,7 +28,9 @@ VERSION = "2.49.0"
 MODEL_NAME = "tiny"
 APP_NAME = "llm"
 STEP_S = 0.05  # one engine step of the app: a token for each running request (20 tokens/s a stream)
-REQUIREMENTS = (f"ray[serve]=={VERSION}", "protobuf<7")
+REQUIREMENTS = (f"ray[serve]=={VERSION}", "protobuf<7", "pyarrow>=9.0.0")
+# Where Ray 2.49.0 defines LLMConfig and LLMServingArgs, which ray.serve.llm re-exports as subclasses of its own.
+LLM_MODELS = "ray.llm._internal.serve.configs.server_models"
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 900.0
 START_TIMEOUT_S = 120.0
@@ -42,6 +46,10 @@ def _stamp(venv: Path) -> Path:
     return venv / ".spotdrain-ready"
 
 
+def _stamped() -> str:
+    return "\n".join(REQUIREMENTS) + "\n"
+
+
 def _reason_file(root: Path) -> Path:
     return root / f"ray-{VERSION}.skipped"
 
@@ -50,7 +58,8 @@ def available(root: Path | None = None) -> str | None:
     """None when Ray is installed and usable here, else why not."""
     root = root or cache_root()
     venv = venv_dir(root)
-    if _stamp(venv).exists() and python_of(venv).exists():
+    # The stamp names what was installed: a venv made before a requirement was added is installed again.
+    if _stamp(venv).exists() and _stamp(venv).read_text() == _stamped() and python_of(venv).exists():
         return None
     if _reason_file(root).exists():
         return _reason_file(root).read_text().strip()
@@ -74,7 +83,7 @@ def install(root: Path | None = None) -> str | None:
         steps.append(("creating the venv", [sys.executable, "-m", "venv", str(venv)]))
     steps += [
         ("pip install ray[serve]", [str(python_of(venv)), "-m", "pip", "install", "--quiet", *REQUIREMENTS]),
-        ("importing Ray Serve", [str(python_of(venv)), "-c", "import ray.serve, starlette"]),
+        ("importing Ray Serve", [str(python_of(venv)), "-c", f"import ray.serve, starlette, {LLM_MODELS}"]),
     ]
     for what, args in steps:
         try:
@@ -85,7 +94,7 @@ def install(root: Path | None = None) -> str | None:
             return _give_up(root, f"{what} failed: {error}")
         if done.returncode != 0:
             return _give_up(root, f"{what} failed (exit {done.returncode}): {_tail(done.stderr or done.stdout)}")
-    _stamp(venv).write_text(VERSION + "\n")
+    _stamp(venv).write_text(_stamped())
     _reason_file(root).unlink(missing_ok=True)
     return None
 

@@ -100,12 +100,22 @@ def test_ray_groups_give_ray_exactly_the_gpus_kubernetes_gives_the_pod() -> None
         assert float(limits.get(GPU, 0)) == float(template.ray_params.get("num-gpus", 0)), template.name
 
 
+def _replica_gpus(llm: Obj) -> float:
+    """The GPUs of one replica's placement group as Ray 2.49.0 builds it (LLMConfig._set_deployment_placement_options
+    and VLLMEngineConfig.placement_bundles): the replica actor's own bundle (ray_actor_options, no GPU unless asked),
+    then resources_per_bundle ({GPU: 1} unless set) once per vLLM worker, tensor x pipeline parallel."""
+    actor = llm.get("deployment_config", {}).get("ray_actor_options", {}).get("num_gpus", 0)
+    engine = llm.get("engine_kwargs", {})
+    workers = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+    return float(actor + (llm.get("resources_per_bundle") or {"GPU": 1}).get("GPU", 0) * workers)
+
+
 def test_fractional_replicas_fit_the_worker_gpus() -> None:
     cluster = one(render("deploy/kuberay"), "RayCluster", "llm")
     workers = cluster["spec"]["workerGroupSpecs"]
     gpus = sum(float(g["rayStartParams"]["num-gpus"]) * g["minReplicas"] for g in workers)
     for llm in _serve_config()["applications"][0]["args"]["llm_configs"]:
-        fraction = sum(bundle.get("GPU", 0) for bundle in llm["placement_group_config"]["bundles"])
+        fraction = _replica_gpus(llm)
         per_gpu = math.floor(1 / fraction)
         assert per_gpu * llm["engine_kwargs"]["gpu_memory_utilization"] <= 0.95  # room for CUDA's own memory
         assert llm["deployment_config"]["autoscaling_config"]["min_replicas"] * fraction <= gpus
