@@ -72,9 +72,10 @@ def _export_interval_ms(container: Obj) -> int | None:
 def engine_of(container: Obj) -> str | None:
     """The engine a container runs, told by its image or command; None if it runs none we know.
 
-    Only the first words of the command line count, URLs aside: a client that calls a vLLM runs no engine.
+    Only the first words of the command line count, URLs and flags aside: a client that calls a vLLM runs no
+    engine, nor does a proxy told where one is (``spotdrain gateway --service=inference/vllm``).
     """
-    words = [word for word in command_line(container)[:COMMAND_WORDS] if "://" not in word]
+    words = [w for w in command_line(container)[:COMMAND_WORDS] if "://" not in w and not w.startswith("-")]
     text = " ".join([str(container.get("image", "")), *words]).lower()
     return next((engine for marker, engine in ENGINE_MARKERS if marker in text), None)
 

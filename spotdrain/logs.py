@@ -33,6 +33,8 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
+        # One write per line: Python's stderr writes through, and print() writes the line and its newline apart,
+        # so processes sharing a stderr (the gateway's workers) merged their lines
+        logger_factory=structlog.WriteLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )

@@ -13,13 +13,24 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from inject import spec
+from inject.engines import COMMAND_WORDS, engine_of
 from inject.manifest import inject_text, split_documents
-from inject.spec import InjectError, Options
+from inject.spec import InjectError, Options, command_line
 from sidecar.engines import RAY_DEFAULT_LAG_S, RAY_LAG_AT_1000_MS_S
 from sidecar.gate import CONDITION
 from sidecar.settings import SidecarSettings
 from spotdrain.cli import build_parser, main
-from tests.deploy.manifests import DEPLOY, Obj, PodTemplate, invocation, parse, pod_templates, schema_errors
+from tests.deploy.manifests import (
+    DEPLOY,
+    Obj,
+    PodTemplate,
+    invocation,
+    one,
+    parse,
+    pod_templates,
+    render,
+    schema_errors,
+)
 
 VLLM = """\
 apiVersion: apps/v1
@@ -216,6 +227,16 @@ def test_an_sglang_pod_gets_the_sidecar_and_its_client_container_is_left_alone(
     assert "readinessProbe" not in client
     assert "lifecycle" not in client
     assert schema_errors(yaml.safe_load(out)) == []
+
+
+def test_a_proxy_told_where_the_engines_are_runs_none() -> None:
+    """The shipped gateway's command names the engines' Service (``--service=inference/vllm``), in a namespace
+    labelled for injection: a flag's value is not an engine's name."""
+    gateway = one(render("deploy/gateway"), "Deployment", "spotdrain-gateway")
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    assert any("vllm" in word for word in command_line(container)[:COMMAND_WORDS])
+    assert engine_of(container) is None
+    assert engine_of({"name": "engine", "command": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}) == "vllm"
 
 
 def test_a_ray_clusters_gpu_workers_get_the_sidecar_and_the_cpu_head_does_not(
