@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -172,7 +173,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         "test_metrics.py": 5,
         "test_node_stop.py": 9,
     }
-    items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: each module's own order stays
+    # pytest gives this hook every item of the run: modules of the same name elsewhere (tests/integration's
+    # test_gateway.py) keep their place
+    here = Path(__file__).parent
+    items.sort(key=lambda item: rank.get(item.path.name, 0) if item.path.parent == here else 0)  # stable sort
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
