@@ -1,7 +1,8 @@
 """The network of the end-to-end tier's nodes: each node a network namespace joined to the host by a veth of its own.
 
 Node ``i`` has the host side ``10.213.i.1/24`` and the node side ``10.213.i.2/24`` (its InternalIP), pods in
-``10.214.i.0/24`` on a CNI bridge inside the namespace, and ``169.254.169.254/32`` on its ``lo`` for a fake IMDS.
+``10.214.i.0/24`` on a CNI bridge inside the namespace, and ``169.254.169.254/32`` on its ``lo`` for a fake IMDS,
+which pods on the bridge cannot reach (the IMDS hop limit of 1 the shipped EC2NodeClass sets).
 The namespace routes only the tier's ranges to the host (no default route: no internet, no nameserver); the host
 routes each node's pod range to its node, so pods reach pods on other nodes through the host's forwarding when it
 is on (``net.ipv4.ip_forward``, which the tier reads and never sets). The API server listens on node 0's host side,
@@ -75,6 +76,11 @@ def join(index: int) -> None:
     service += ["--to-destination", f"{API_HOST}:{API_PORT}"]
     inside.append(["iptables", "-t", "nat", "-A", "OUTPUT", *service])  # hostNetwork pods and the node itself
     inside.append(["iptables", "-t", "nat", "-A", "PREROUTING", *service])  # pods on the bridge
+    # The EC2NodeClass's IMDS hop limit of 1 (deploy/components/karpenter): IMDS's answers reach the node's own
+    # network namespace and die one hop further, in a pod's (docs.aws.amazon.com/AWSEC2/latest/UserGuide/
+    # configuring-IMDS-existing-instances.html). Here IMDS is on the node's loopback, so no hop counts: pods'
+    # requests to it are dropped instead, and only hostNetwork pods and the node reach it.
+    inside.append(["iptables", "-A", "INPUT", "-s", pod_range(index), "-d", f"{IMDS}/32", "-j", "DROP"])
     for argv in inside:
         run(*in_namespace(name, argv))
     run("ip", "route", "add", pod_range(index), "via", node_address(index), "dev", host_link)

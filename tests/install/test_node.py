@@ -2,9 +2,10 @@
 Karpenter registers them; a Deployment becomes Ready behind its readiness probe and is listed ready in its Service's
 EndpointSlice; pods reach the API server through the ``kubernetes`` Service with their own ServiceAccount token (on
 the pod network, with hostNetwork, on either node, with the Spot node's GPU requested), the instance's IMDS with
-IMDSv2 and each other across nodes; the API server reaches pods behind their Services (its proxy, an admission
-webhook); an imported image runs unpulled; a mount under a Bidirectional hostPath reaches the host. Stopping leaves
-nothing on the machine. Each phase's time is printed at the end of the module."""
+IMDSv2 from the host network only (the hop limit of 1) and each other across nodes; the API server reaches pods
+behind their Services (its proxy, an admission webhook); an imported image runs unpulled; a mount under a
+Bidirectional hostPath reaches the host. Stopping leaves nothing on the machine. Each phase's time is printed at the
+end of the module."""
 
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ try:
 except urllib.error.HTTPError as refused:
     v1 = refused.code
 print(json.dumps({"instance": instance, "without_token": v1}))
+"""
+IMDS_UNREACHABLE = """
+import json, urllib.request
+put = urllib.request.Request("http://169.254.169.254/latest/api/token", method="PUT",
+                             headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+try:
+    urllib.request.urlopen(put, timeout=3)
+    print(json.dumps({"token": True}))
+except OSError as error:
+    print(json.dumps({"token": False, "error": type(error).__name__}))
 """
 # An admission webhook as a user's would answer: AdmissionReview v1 in, the same uid out, over TLS.
 HOOK = """
@@ -227,11 +238,20 @@ def test_a_pod_reaches_the_api_server_through_the_kubernetes_service_with_its_to
     assert printed["ip"].startswith("10.214.0.")
 
 
-def test_a_pod_reaches_the_nodes_imds_with_a_token_and_is_refused_without(cluster: Cluster) -> None:
-    apply(cluster, script_pod("imds", SPOT.name, IMDS_V2))
-    printed = finished(cluster, "imds", "pod ran and reached IMDS")
+def test_a_host_network_pod_reaches_the_nodes_imds_with_a_token_and_a_pod_on_the_pod_network_does_not(
+    cluster: Cluster,
+) -> None:
+    """As with the shipped EC2NodeClass's hop limit of 1: the agent's pods (hostNetwork) use IMDS, others cannot."""
+    apply(
+        cluster,
+        script_pod("imds", SPOT.name, IMDS_V2, host_network=True),
+        script_pod("imds-unreachable", SPOT.name, IMDS_UNREACHABLE),
+    )
+    printed = finished(cluster, "imds", "hostNetwork pod ran and reached IMDS")
     assert printed["instance"] == SPOT.provider_id.rpartition("/")[2]
     assert printed["without_token"] == 401
+    unreached = finished(cluster, "imds-unreachable", "pod on the pod network ran and did not reach IMDS")
+    assert unreached["token"] is False, unreached
 
 
 def test_a_host_network_pod_runs_on_the_nodes_address_and_reaches_the_api_server(cluster: Cluster) -> None:
