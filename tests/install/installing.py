@@ -26,7 +26,11 @@ from tests.install.node import Cluster, spot_node
 FAKE_ENGINE = "localhost/spotdrain-e2e/vllm-openai-fake"
 TAG = "e2e"  # tag_of()'s tag: each overlay's images: points there
 MODEL = "qwen2.5-7b-instruct"  # deploy/vllm's --name, under s3://my-bucket/models/ as its source says
+# The Ray workers' model, which the NodePool's spotdrain.io/models tells a user to add: no pod here asks for it, so
+# only the prefetch fetches it
+PREFETCHED = "qwen2.5-1.5b-instruct"
 BUCKET = "my-bucket"
+MODELS = "spotdrain.io/models"
 SAVE_TIMEOUT_S = 300.0
 
 
@@ -99,7 +103,8 @@ def agent_overlay(directory: Path, device: str, endpoint: str) -> Path:
     cache" composes them; the cache's disk named by ``--model-cache-devices`` (docs/model-cache.md): this machine's
     instance store is a loop device, which discovery by the disks' model name (Amazon EC2 NVMe Instance Storage)
     rightly passes over; and the prefetch's S3 endpoint, ``AWS_ENDPOINT_URL`` (docs/model-cache.md), moto's. Its
-    credentials are the node's instance role's, from IMDS, as on a node without IRSA's webhook."""
+    credentials are the node's instance role's, from IMDS on the host network, as where no IRSA webhook gives the
+    pod the role its ServiceAccount names."""
     devices = {
         "op": "add",
         "path": "/spec/template/spec/initContainers/0/args/-",
@@ -138,15 +143,20 @@ def vllm_overlay(directory: Path, endpoint: str) -> Path:
       listens as vLLM loads it; ``--host 0.0.0.0`` because the kubelet probes the pod's address;
     - its requests (4 cores, 32 GiB) down to what the fake needs, the GPU kept: the machine has 2 cores and 24 GB;
     - one replica: the spread over hosts is strict, and there is one Spot GPU node;
-    - the model-fetch init container gets the S3 endpoint (``AWS_ENDPOINT_URL``, docs/model-cache.md); its
-      credentials are the node's instance role's, from the node's IMDS, where EKS's pod identity webhook would give
-      the IRSA role's.
+    - the model-fetch init container gets the S3 endpoint (``AWS_ENDPOINT_URL``, docs/model-cache.md) and keys in
+      the environment where the pod identity webhook gives it the IRSA role's web identity: that is exchanged at
+      AWS's STS, which the fetch's signer (awscrt) asks at AWS's own address whatever the endpoint, and the pods
+      cannot use the node's instance role (the EC2NodeClass's IMDS hop limit of 1 keeps them from IMDS).
     """
     engine_args = ["--host", "0.0.0.0", "--port", "8000", "--model", "Qwen/Qwen2.5-7B-Instruct"]
     engine_args += ["--model-dir", f"/mnt/model-cache/models/{MODEL}"]
     resources = {"requests": {"cpu": "100m", "memory": "128Mi", "nvidia.com/gpu": "1"}}
     resources["limits"] = {"memory": "256Mi", "nvidia.com/gpu": "1"}
-    credentials = [{"name": "AWS_ENDPOINT_URL", "value": endpoint}]
+    credentials = [
+        {"name": "AWS_ENDPOINT_URL", "value": endpoint},
+        {"name": "AWS_ACCESS_KEY_ID", "value": "testing"},
+        {"name": "AWS_SECRET_ACCESS_KEY", "value": "testing"},
+    ]
     template = "/spec/template/spec"
     operations: list[dict[str, Any]] = [
         {"op": "replace", "path": "/spec/replicas", "value": 1},
@@ -188,8 +198,8 @@ def install(
     timeline.note("images imported into the nodes")
     s3.start()
     endpoint = "http://{}:{}".format(*s3.get_host_and_port())
-    upload_model(endpoint, directory / "model")
-    timeline.note(f"model uploaded to s3://{BUCKET}/models/{MODEL}/")
+    upload_models(endpoint, directory / "models")
+    timeline.note(f"models uploaded to s3://{BUCKET}/models/: {MODEL}, {PREFETCHED}")
     cluster.share(CACHE)
     device = cluster.attach_loop(CACHE_DISK_BYTES)
     annotate_as_karpenter(cluster)
@@ -210,14 +220,16 @@ def install(
 
 def annotate_as_karpenter(cluster: Cluster) -> None:
     """The Spot node with the annotations of deploy/components/karpenter's NodePool template, which Karpenter puts
-    on the nodes it launches: ``spotdrain.io/models`` names the model the prefetch fetches."""
+    on the nodes it launches: ``spotdrain.io/models`` names the models the prefetch fetches, the Ray workers' added
+    as its comment tells a user who runs them."""
     pool = yaml.safe_load((ROOT / "deploy/components/karpenter/nodepool.yaml").read_text())
-    annotations = pool["spec"]["template"]["metadata"]["annotations"]
+    annotations = dict(pool["spec"]["template"]["metadata"]["annotations"])
+    annotations[MODELS] += f",{PREFETCHED}=s3://{BUCKET}/models/{PREFETCHED}/"
     cluster.kubectl("annotate", "node", "--overwrite", spot_node().name, *(f"{k}={v}" for k, v in annotations.items()))
 
 
-def upload_model(endpoint: str, directory: Path) -> None:
-    """The tiny checkpoint uploaded file by file with boto3's upload_file, as a user's script would."""
+def upload_models(endpoint: str, directory: Path) -> None:
+    """The tiny checkpoint uploaded as each model, file by file with boto3's upload_file, as a user's script would."""
     client = boto3.client(
         "s3",
         endpoint_url=endpoint,
@@ -230,7 +242,8 @@ def upload_model(endpoint: str, directory: Path) -> None:
         path = directory / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-        client.upload_file(str(path), BUCKET, f"models/{MODEL}/{name}")
+        for model in (MODEL, PREFETCHED):
+            client.upload_file(str(path), BUCKET, f"models/{model}/{name}")
 
 
 def label_namespace(cluster: Cluster, timeline: Timeline) -> None:
