@@ -20,7 +20,7 @@ POLL_S = 0.1
 class Moments:
     """When each thing was first seen, in seconds since the test began (one clock for every thread)."""
 
-    def __init__(self, case: str = "case") -> None:
+    def __init__(self, case: str) -> None:
         self.case = case  # each line's prefix
         self.started = time.monotonic()
         self.seen: dict[str, float] = {}

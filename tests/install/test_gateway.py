@@ -7,14 +7,13 @@ ends with ``[DONE]`` and no error. The case's moments are printed as a timeline 
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from spotdrain.clock import rfc3339
 from tests.install import gatewaying, installing, reset
-from tests.install.cases import Moments, notice_reads
+from tests.install.cases import Moments, notice_reads, parsed
 from tests.install.conftest import SPOT, STABLE, Images
 from tests.install.engine import Podman
 from tests.install.gatewaying import Stream
@@ -53,21 +52,12 @@ def seen_at(moments: Moments, what: str, at: float) -> None:
 
 def continued(cluster: Cluster, gateway: str) -> list[dict[str, Any]]:
     """The gateway's ``gateway.continued`` log events (JSON, as it logs in a cluster). Its workers share the
-    container's stderr and each writes a line as two writes (the event, then its newline: structlog's PrintLogger
-    prints), so two workers logging at once leave two events on one line: every object on a line is read."""
-    logs = cluster.kubectl("logs", "-n", "inference", gateway, "-c", "gateway", check=False)
-    decoder, events = json.JSONDecoder(), []
-    for line in logs.splitlines():
-        at = line.find("{")
-        while at >= 0:
-            try:
-                event, end = decoder.raw_decode(line, at)
-            except ValueError:
-                break
-            if isinstance(event, dict) and event.get("event") == "gateway.continued":
-                events.append(event)
-            at = line.find("{", end)
-    return events
+    container's stderr: each line must be one whole event, none merged with another worker's."""
+    lines = cluster.kubectl("logs", "-n", "inference", gateway, "-c", "gateway", check=False).splitlines()
+    events = [parsed(line) for line in lines]
+    merged = [line for line, event in zip(lines, events, strict=True) if line.startswith("{") and event is None]
+    assert not merged, f"log lines that are not one event each: {merged[:3]}"
+    return [e for e in events if isinstance(e, dict) and e.get("event") == "gateway.continued"]
 
 
 def serve_notice(cluster: Cluster, moments: Moments) -> None:

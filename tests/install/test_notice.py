@@ -23,11 +23,12 @@ STREAMS = (250, 300, 350)  # max_tokens of each stream: 5-7 s at the fake engine
 NOTICE_AFTER_S = 2.0  # the streams under way when the notice comes
 DEADLINE_S = 120  # AWS's two minutes
 OUT_OF_ROTATION_TARGET_S = 1.0  # the design's target, from the agent reading the notice
-# measured from the notice being served: the agent polls IMDS each second (its default --poll-interval), and on 2
-# shared cores the taint, the sidecar's long poll, its gate's patch and the EndpointSlice controller each take a turn
-OUT_OF_ROTATION_WITHIN_S = 4.0
+# measured from the notice being served: the agent polls IMDS each second (its default --poll-interval)
+OUT_OF_ROTATION_WITHIN_S = 1.0 + OUT_OF_ROTATION_TARGET_S
 GONE_TARGET_S = 1.5  # the design's: the pod gone this long after its last stream ended
-GONE_WITHIN_S = 6.0  # with the slack 2 shared cores need (the kubelet's preStop, SIGTERM, the containers' stop)
+# twice that, for 2 shared cores: the sidecar's reading of no stream, the kubelet's preStop, SIGTERM, the containers'
+# stop and the pod's deletion each take a turn
+GONE_WITHIN_S = 2 * GONE_TARGET_S
 INTERRUPTION = {"key": "spotdrain.io/interruption", "value": "spot-interruption", "effect": "NoSchedule"}
 TIMEOUT_S = 60.0
 POLL_S = 0.1
