@@ -8,8 +8,10 @@ import json
 import subprocess
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from spotdrain.clock import rfc3339
 from tests.install.node import Cluster
 from tests.install.reset import imds
 
@@ -27,8 +29,11 @@ class Moments:
         self.lock = threading.Lock()
 
     def mark(self, what: str) -> float:
+        return self.mark_at(what, time.monotonic() - self.started)
+
+    def mark_at(self, what: str, at: float) -> float:
         with self.lock:
-            return self.seen.setdefault(what, time.monotonic() - self.started)
+            return self.seen.setdefault(what, at)
 
     def lines(self) -> list[str]:
         ordered = sorted(self.seen.items(), key=lambda item: item[1])
@@ -143,6 +148,31 @@ class Completion:
 def notice_reads(cluster: Cluster) -> int:
     counts: dict[str, int] = imds(cluster, "request_counts")
     return sum(n for path, n in counts.items() if path.endswith("spot/instance-action"))
+
+
+SERVED = "notice served"
+READ = "the agent read the notice"
+DEADLINE = "the notice's deadline"
+
+
+def serve_notice(cluster: Cluster, moments: Moments, deadline_s: float) -> datetime:
+    """A Spot notice (``terminate``) from the Spot node's fake IMDS, its deadline ``deadline_s`` away; marks when it
+    was served, its deadline and when the agent read it, and returns the deadline once the agent has read it."""
+    read_before = notice_reads(cluster)
+    deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=deadline_s)
+    imds(cluster, "schedule_spot", action="terminate", time=rfc3339(deadline))
+    served = moments.mark(SERVED)
+    moments.mark_at(DEADLINE, served + (deadline - datetime.now(UTC)).total_seconds())
+    try:
+        cluster.wait_for("the agent reading the notice", lambda: notice_reads(cluster) > read_before, TIMEOUT_S)
+    except TimeoutError:
+        agent = ["logs", "-n", "spotdrain", "daemonset/spotdrain-node", "-c", "agent", "--tail", "40"]
+        raise AssertionError(
+            f"the agent did not read the notice: IMDS saw {imds(cluster, 'request_counts')}\n"
+            + cluster.kubectl(*agent, check=False)
+        ) from None
+    moments.mark(READ)
+    return deadline
 
 
 def check_drained_whole(

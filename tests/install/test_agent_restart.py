@@ -12,16 +12,15 @@ import os
 import re
 import signal
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from spotdrain.clock import rfc3339
 from tests.install import installing, reset, runtime
-from tests.install.cases import Completion, Follow, Moments, Watch, check_drained_whole, notice_reads, parsed
+from tests.install.cases import Completion, Follow, Moments, Watch, check_drained_whole, parsed, serve_notice
 from tests.install.conftest import SPOT
 from tests.install.node import Cluster
-from tests.install.reset import imds
 from tests.install.test_install import wait_ready
 from tests.install.test_notice import GONE_WITHIN_S, INTERRUPTION
 
@@ -123,11 +122,7 @@ def test_an_agent_killed_mid_drain_comes_back_and_finishes_the_drain(installed: 
         proxy = f"/api/v1/namespaces/inference/pods/{name}:8000/proxy"
         streams = [Completion(cluster, proxy, tokens, moments, n) for n, tokens in enumerate(STREAMS, 1)]
         time.sleep(NOTICE_AFTER_S)
-        read_before = notice_reads(cluster)
-        deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=DEADLINE_S)
-        imds(cluster, "schedule_spot", action="terminate", time=rfc3339(deadline))
-        moments.mark("notice served")
-        cluster.wait_for("the agent reading the notice", lambda: notice_reads(cluster) > read_before, TIMEOUT_S)
+        deadline = serve_notice(cluster, moments, DEADLINE_S)
 
         def under_way() -> bool:
             # the Event too: posted beside the evictions, a kill before it lands leaves the node without one

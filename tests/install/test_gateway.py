@@ -8,17 +8,15 @@ ends with ``[DONE]`` and no error. The case's moments are printed as a timeline 
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-from spotdrain.clock import rfc3339
 from tests.install import gatewaying, installing, reset
-from tests.install.cases import Moments, notice_reads, parsed
+from tests.install.cases import DEADLINE, Moments, parsed, serve_notice
 from tests.install.conftest import SPOT, STABLE, Images
 from tests.install.engine import Podman
 from tests.install.gatewaying import Stream
 from tests.install.node import Cluster
-from tests.install.reset import imds
 from tests.install.test_install import wait_ready
 from tests.install.test_notice import watches
 
@@ -45,11 +43,6 @@ def backends_ready(cluster: Cluster, pod: str) -> float:
     return float(lines[0].split()[1]) if lines else 0.0
 
 
-def seen_at(moments: Moments, what: str, at: float) -> None:
-    with moments.lock:
-        moments.seen.setdefault(what, at)
-
-
 def continued(cluster: Cluster, gateway: str) -> list[dict[str, Any]]:
     """The gateway's ``gateway.continued`` log events (JSON, as it logs in a cluster). Its workers share the
     container's stderr: each line must be one whole event, none merged with another worker's."""
@@ -60,26 +53,16 @@ def continued(cluster: Cluster, gateway: str) -> list[dict[str, Any]]:
     return [e for e in events if isinstance(e, dict) and e.get("event") == "gateway.continued"]
 
 
-def serve_notice(cluster: Cluster, moments: Moments) -> None:
-    """A Spot notice from the node's IMDS, its deadline ``DEADLINE_S`` away; returns once the agent has read it."""
-    read_before = notice_reads(cluster)
-    deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=DEADLINE_S)
-    imds(cluster, "schedule_spot", action="terminate", time=rfc3339(deadline))
-    served = moments.mark("notice served")
-    seen_at(moments, "the notice's deadline", served + (deadline - datetime.now(UTC)).total_seconds())
-    cluster.wait_for("the agent reading the notice", lambda: notice_reads(cluster) > read_before, TIMEOUT_S)
-
-
 def note_splices(moments: Moments, wall: datetime, events: list[dict[str, Any]], streams: list[Stream]) -> None:
     """The gateway's continuations (its log's times, on the wall clock that read ``wall`` at the moments' start)
     and where each client saw its stream spliced."""
     for number, event in enumerate(events, 1):
         at = (datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")) - wall).total_seconds()
         what = f"gateway.continued ({number}) {event['backend']} -> {event['to']} ({event['cause']})"
-        seen_at(moments, f"{what}, {event['tokens_sent']} tokens sent", at)
+        moments.mark_at(f"{what}, {event['tokens_sent']} tokens sent", at)
     for stream in streams:
         for at, chunks, cause in stream.splices():
-            seen_at(moments, f"{stream.name}: broken after {chunks} chunks, continued after {cause}", at)
+            moments.mark_at(f"{stream.name}: broken after {chunks} chunks, continued after {cause}", at)
 
 
 def assert_whole(reference: Stream, streams: list[Stream]) -> None:
@@ -127,7 +110,7 @@ def test_a_stream_that_outlives_the_spot_deadline_is_continued_on_the_stable_rep
                 for n in range(1, GATEWAY_STREAMS + 1)
             ]
             time.sleep(NOTICE_AFTER_S)
-            serve_notice(cluster, moments)
+            serve_notice(cluster, moments, DEADLINE_S)
             gone = ["get", "pod", spot_name, "-n", "inference", "--ignore-not-found", "-o", "name"]
             cluster.wait_for("the Spot pod gone", lambda: not cluster.kubectl(*gone), TIMEOUT_S)
             moments.mark("Spot pod gone")
@@ -155,7 +138,7 @@ def test_a_stream_that_outlives_the_spot_deadline_is_continued_on_the_stable_rep
     assert [(e["backend"], e["to"], e["cause"]) for e in events] == [(spot_url, stable_url, "proactive")] * len(moved)
     for stream in moved:
         splice_at = stream.splices()[0][0]
-        assert seen["notice served"] < splice_at < seen["the notice's deadline"], moments.lines()
-        assert seen[f"{stream.name}: ended"] > seen["the notice's deadline"], "the stream ended first: make it longer"
+        assert seen["notice served"] < splice_at < seen[DEADLINE], moments.lines()
+        assert seen[f"{stream.name}: ended"] > seen[DEADLINE], "the stream ended first: make it longer"
     # the node drained before its deadline while the moved stream went on
-    assert seen["endpoint ready: false"] < seen["Spot pod gone"] < seen["the notice's deadline"], moments.lines()
+    assert seen["endpoint ready: false"] < seen["Spot pod gone"] < seen[DEADLINE], moments.lines()

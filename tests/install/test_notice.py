@@ -9,14 +9,22 @@ from __future__ import annotations
 import re
 import subprocess
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 
-from spotdrain.clock import rfc3339
 from tests.install import installing
-from tests.install.cases import Completion, Moments, Poll, Watch, check_drained_whole, notice_reads, parsed
+from tests.install.cases import (
+    READ,
+    SERVED,
+    Completion,
+    Moments,
+    Poll,
+    Watch,
+    check_drained_whole,
+    parsed,
+    serve_notice,
+)
 from tests.install.conftest import SPOT
 from tests.install.node import Cluster
-from tests.install.reset import imds
 from tests.install.test_install import wait_ready
 
 STREAMS = (250, 300, 350)  # max_tokens of each stream: 5-7 s at the fake engine's 50 tokens/s
@@ -83,19 +91,7 @@ def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(instal
         proxy = f"/api/v1/namespaces/inference/pods/{name}:8000/proxy"
         streams = [Completion(cluster, proxy, tokens, moments, n) for n, tokens in enumerate(STREAMS, 1)]
         time.sleep(NOTICE_AFTER_S)
-        read_before = notice_reads(cluster)
-        deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=DEADLINE_S)
-        imds(cluster, "schedule_spot", action="terminate", time=rfc3339(deadline))
-        served = moments.mark("notice served")
-        try:
-            cluster.wait_for("the agent reading the notice", lambda: notice_reads(cluster) > read_before, TIMEOUT_S)
-        except TimeoutError:
-            agent = ["logs", "-n", "spotdrain", "daemonset/spotdrain-node", "-c", "agent", "--tail", "40"]
-            raise AssertionError(
-                f"the agent did not read the notice: IMDS saw {imds(cluster, 'request_counts')}\n"
-                + cluster.kubectl(*agent, check=False)
-            ) from None
-        read = moments.mark("the agent read the notice (polled every 0.25 s)")
+        deadline = serve_notice(cluster, moments, DEADLINE_S)
         for stream in streams:
             stream.thread.join(timeout=TIMEOUT_S + 10)
         gone = ["get", "pod", name, "-n", "inference", "--ignore-not-found", "-o", "name"]
@@ -114,6 +110,7 @@ def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(instal
             print("\n".join(f"[notice] {at:6.2f} s  {watch.what}: {line}" for at, line in watch.lines))
     seen = moments.seen
     last_stream = max(at for what, at in seen.items() if what.startswith("stream "))
+    served, read = seen[SERVED], seen[READ]
     out_of_rotation = seen["endpoint ready: false"] - served
     after_last = seen["pod gone"] - last_stream
     print(
