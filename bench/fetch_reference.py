@@ -1,6 +1,7 @@
 """The reference measures of bench/cache_fetch.py, which say which side is the bottleneck: the page cache written
 back and dropped, the destination's own sequential write rate, the source's rate for plain GETs (curl), and what each
-kind of checksum a fetch checks a file against costs a core."""
+kind of checksum a fetch checks a file against costs a core; and the reference rows made of them, with the slower
+disk made where the source is not faster than the destination."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.cache.fetch.sources import Checksum, RemoteFile
 from agent.cache.fetch.verify import Digest
 from bench.fetch_peers import Ran, run_measured
-from bench.fetch_targets import Row
+from bench.fetch_targets import EVERY_GET, LIMITED_WRITE, ONE_GET, Row
+from bench.limited_disk import Unavailable, limited_disk
 from bench.s3_source import BUCKET, MIB, PREFIX, REGION, Model, Server
+
+if TYPE_CHECKING:
+    from bench.cache_fetch import Bench
 
 GIB = 1024**3
 WRITE_BLOCK = 16 * MIB
@@ -114,3 +121,77 @@ def checksum_rows(source: Model) -> list[Row]:
         row.cpu_s_per_gib = round(used / (size / GIB), 3)
         rows.append(row)
     return rows
+
+
+def reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> list[Row]:
+    total = bench.options.total_bytes
+    writes = []
+    for _ in range(bench.options.runs):
+        writes.append(disk_write_s(bench.dest, total, bench.settle))
+    disk = Row("disk", "sequential write", WRITES, verified=None)
+    disk.seconds, disk.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
+    disk.mib_per_s = round(total / MIB / min(writes), 1)
+    one = source_row(bench, server, why_no_server, every=False)
+    every = source_row(bench, server, why_no_server, every=True)
+    return [disk, one, every, *checksum_rows(bench.source)]
+
+
+def limit_disk(bench: Bench, reference: list[Row], stack: ExitStack) -> int | str:
+    """Where the source is not faster than the destination, a disk limited to half the slower of the two (or, in
+    any case, to ``--limited-disk``), made and set as ``bench.limited`` (undone with ``stack``): its rate in MiB/s,
+    or why there is none."""
+    by = {(r.tool, r.config): r for r in reference}
+    disk = by[("disk", "sequential write")].mib_per_s
+    sources = [rate for r in (by[("source", ONE_GET)], by[("source", EVERY_GET)]) if (rate := r.mib_per_s)]
+    if disk is None or not sources:
+        return "the disk's or the source's rate was not measured"
+    if bench.options.limited_mib_s is not None:
+        rate = bench.options.limited_mib_s
+    elif max(sources) > disk:
+        return f"not needed: the source ({max(sources)} MiB/s) is faster than the disk ({disk} MiB/s)"
+    else:
+        rate = max(16, int(min(max(sources), disk) / 2))
+    size = bench.options.total_bytes * 5 // 4 + 256 * MIB  # a copy, the reference's file beside it, and ext4's own
+    try:
+        bench.limited = stack.enter_context(limited_disk(bench.dest, size, rate))
+    except Unavailable as error:
+        return f"no disk slower than the source could be made: {error}"
+    return rate
+
+
+def limited_row(bench: Bench, limit: int | str) -> Row:
+    row = Row("disk", LIMITED_WRITE, verified=None)
+    if isinstance(limit, str):
+        row.skipped = limit
+        return row
+    writes = bench.limited_writes
+    if not writes:
+        row.skipped = "not measured"
+        return row
+    row.flags = f"ext4 on a loop device, its writes held to {limit} MiB/s; {WRITES}, between runs"
+    row.seconds, row.runs_s = round(min(writes), 3), [round(s, 3) for s in writes]
+    row.mib_per_s = round(bench.options.total_bytes / MIB / min(writes), 1)
+    return row
+
+
+def source_row(bench: Bench, server: Server | None, why_no_server: str, *, every: bool) -> Row:
+    row = Row("source", EVERY_GET if every else ONE_GET)
+    if server is None:
+        row.skipped = why_no_server
+        return row
+    gets: list[tuple[Ran, int]] = []
+    for run in range(bench.options.runs):
+        bench.prepare(None)
+        got = source_get(server, bench.source, bench.dest / f"curl-{int(every)}-{run}.log", every=every)
+        if isinstance(got, str):
+            row.skipped = got
+            return row
+        gets.append(got)
+    best, size = min(gets, key=lambda g: g[0].exit_s)
+    row.flags = (
+        f"{len(bench.source.sizes)} objects, {size / MIB:.0f} MiB" if every else f"the largest, {size / MIB:.0f} MiB"
+    )
+    row.seconds, row.mib_per_s = round(best.exit_s, 3), round(size / MIB / best.exit_s, 1)
+    row.runs_s = [round(ran.exit_s, 3) for ran, _ in gets]
+    row.version = server.version
+    return row

@@ -1,10 +1,12 @@
 """What bench/cache_fetch.py's rows are and the issue's targets judged from them: ours against s5cmd for each kind
-of source checksum, against the disk's write rate, and its resident set. Pure functions of the table."""
+of source checksum, against the disk's write rate, and its resident set; and the table as text with each verdict.
+Pure functions of the table."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench import fetch_peers
 from bench.common import Result
@@ -145,3 +147,25 @@ def _versus_disk(by: dict[tuple[str, str, str], Row], table: list[Row]) -> Resul
         )
     detail = f"ours {ours.mib_per_s} MiB/s ({ours.config}, {ours.source}), the disk {disk.mib_per_s} MiB/s" + detail
     return Result(name, round(share, 3), "x", DISK_SHARE_TARGET, share >= DISK_SHARE_TARGET, detail)
+
+
+def table_text(doc: dict[str, Any]) -> str:
+    """The rows side by side, then each target with its verdict."""
+    head = ("tool", "config", "source", "s", "MiB/s", "CPU s/GiB", "peak RSS MB", "verified", "flags / why skipped")
+    lines = [head]
+    for row in doc["rows"]:
+        cells = [row["seconds"], row["mib_per_s"], row["cpu_s_per_gib"], row["peak_rss_mb"]]
+        shown = ["-" if value is None else str(value) for value in cells]
+        verified = {True: "yes", False: "NO", None: "-"}[row["verified"]]
+        lines.append((row["tool"], row["config"], row["source"], *shown, verified, row["skipped"] or row["flags"]))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    out = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=False)) + "  " + line[-1]
+        for line in lines
+    ]
+    out.append("")
+    for result in doc["results"]:
+        verdict = "skipped: " + result["skipped"] if result["skipped"] else ("pass" if result["passed"] else "MISSED")
+        value = "" if result["value"] is None else f"{result['value']} {result['unit']} (target {result['target']}) "
+        out.append(f"{result['name']}: {value}{verdict}")
+    return "\n".join(out)
