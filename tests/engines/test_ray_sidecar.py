@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from sidecar.engines import ENGINES, RAY_LAG_AT_1000_MS_S, read_engine, sum_samples
-from simulate.fakes.processes import free_port, sidecar_args, start, status_of, stream, wait_http
+from simulate.fakes.processes import status_of, stream
 from simulate.ray.server import STEP_S, RayNode
-from tests.engines.test_sidecar_vllm import Sidecar, page
+from tests.engines.test_sidecar_vllm import Sidecar, page, running_sidecar
 
 ENDPOINT_DELAY_S = 1.0
 # Far shorter than any stream below: a count that holds still between Ray's exports must not end the drain.
@@ -41,18 +41,10 @@ VLLM_GAUGES = (
 async def sidecar(ray_node: RayNode, tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Sidecar]:
     """A sidecar beside the Ray node with the engine flags of ``request.param`` (default: Serve's count), a short
     endpoint delay and a short stall window."""
-    port = free_port()
     flags = [*getattr(request, "param", SERVE), "--drain-timeout", "60"]
     extra = [*flags, "--endpoint-delay", str(ENDPOINT_DELAY_S), "--stall-after", str(STALL_AFTER_S)]
-    args = sidecar_args(port=port, engine_port=ray_node.metrics_port, drain_dir=tmp_path / "drain", extra=extra)
-    process = await start(args, log_path=tmp_path / "sidecar.log")
-    try:
-        await wait_http(f"http://127.0.0.1:{port}/ready", status=200, timeout_s=20)
-        yield Sidecar(port, tmp_path / "drain", tmp_path / "sidecar.log", process)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+    async with running_sidecar(ray_node.metrics_port, tmp_path, extra) as car:
+        yield car
 
 
 async def prestop(car: Sidecar) -> tuple[asyncio.subprocess.Process, float, float]:

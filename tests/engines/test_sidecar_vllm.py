@@ -8,6 +8,7 @@ import json
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,24 +54,28 @@ class Sidecar:
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
 
 
-@pytest.fixture
-async def sidecar(vllm_servers: list[VllmServer], tmp_path: Path) -> AsyncIterator[Sidecar]:
-    """A sidecar with its defaults for vLLM (poll interval, confirmation window) but a short endpoint delay."""
+@asynccontextmanager
+async def running_sidecar(engine_port: int, directory: Path, extra: list[str]) -> AsyncIterator[Sidecar]:
+    """The real sidecar process beside an engine on ``engine_port``, once it says ready; killed at the end."""
     port = free_port()
-    args = sidecar_args(
-        port=port,
-        engine_port=vllm_servers[0].port,
-        drain_dir=tmp_path / "drain",
-        extra=["--endpoint-delay", "0.3", "--drain-timeout", "60"],
-    )
-    process = await start(args, log_path=tmp_path / "sidecar.log")
+    args = sidecar_args(port=port, engine_port=engine_port, drain_dir=directory / "drain", extra=extra)
+    process = await start(args, log_path=directory / "sidecar.log")
     try:
         await wait_http(f"http://127.0.0.1:{port}/ready", status=200, timeout_s=20)
-        yield Sidecar(port, tmp_path / "drain", tmp_path / "sidecar.log", process)
+        yield Sidecar(port, directory / "drain", directory / "sidecar.log", process)
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.fixture
+async def sidecar(vllm_servers: list[VllmServer], tmp_path: Path) -> AsyncIterator[Sidecar]:
+    """A sidecar with its defaults for vLLM (poll interval, confirmation window) but a short endpoint delay."""
+    async with running_sidecar(
+        vllm_servers[0].port, tmp_path, ["--endpoint-delay", "0.3", "--drain-timeout", "60"]
+    ) as car:
+        yield car
 
 
 async def aiohttp_stream(session: aiohttp.ClientSession, url: str, max_tokens: int) -> float:
