@@ -44,35 +44,35 @@ def fresh_spot_node(installed: installing.Installed) -> None:
     cluster.kubectl("annotate", "node", SPOT.name, *(f"{key}-" for key in ANNOTATIONS))
     cluster.kubectl("uncordon", SPOT.name)
     on_spot = f"spec.nodeName={SPOT.name}"
-    before = {pod["metadata"]["uid"] for pod in _pods(cluster, "spotdrain", AGENT, on_spot)}
+    before = {pod["metadata"]["uid"] for pod in pods(cluster, "spotdrain", AGENT, on_spot)}
     cluster.kubectl("delete", "pod", "-n", "spotdrain", "-l", AGENT, f"--field-selector={on_spot}", "--wait=true")
 
     def agent_back() -> bool:
-        pods = _pods(cluster, "spotdrain", AGENT, on_spot)
-        return any(pod["metadata"]["uid"] not in before and _ready(pod) for pod in pods)
+        agents = pods(cluster, "spotdrain", AGENT, on_spot)
+        return any(pod["metadata"]["uid"] not in before and ready(pod) for pod in agents)
 
     cluster.wait_for("the Spot node's agent restarted", agent_back, READY_WITHIN_S)
     replicas = int(cluster.get("deployment", "vllm", "-n", "inference")["spec"]["replicas"])
 
     def engines_ready() -> bool:
-        pods = [pod for pod in _pods(cluster, "inference", ENGINE) if not pod["metadata"].get("deletionTimestamp")]
-        return len(pods) == replicas and all(_ready(pod) for pod in pods)
+        engines = [pod for pod in pods(cluster, "inference", ENGINE) if not pod["metadata"].get("deletionTimestamp")]
+        return len(engines) == replicas and all(ready(pod) for pod in engines)
 
     try:
         cluster.wait_for("every vllm replica Ready", engines_ready, READY_WITHIN_S)
     except TimeoutError:
-        pods = cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False)
+        listed = cluster.kubectl("get", "pods", "-A", "-o", "wide", check=False)
         described = cluster.kubectl("describe", "pods", "-n", "inference", "-l", ENGINE, check=False)
-        raise AssertionError(f"the vllm replicas not Ready again\n{pods}\n{described[-6000:]}") from None
+        raise AssertionError(f"the vllm replicas not Ready again\n{listed}\n{described[-6000:]}") from None
     note("the Spot node fresh again: notice cleared, marks removed, agent restarted, vllm Ready")
 
 
-def _pods(cluster: Cluster, namespace: str, selector: str, *fields: str) -> list[dict[str, Any]]:
+def pods(cluster: Cluster, namespace: str, selector: str, *fields: str) -> list[dict[str, Any]]:
     args = ["pods", "-n", namespace, "-l", selector, *(f"--field-selector={field}" for field in fields)]
-    pods: list[dict[str, Any]] = cluster.get(*args)["items"]
-    return pods
+    found: list[dict[str, Any]] = cluster.get(*args)["items"]
+    return found
 
 
-def _ready(pod: dict[str, Any]) -> bool:
+def ready(pod: dict[str, Any]) -> bool:
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from simulate.model import tiny_checkpoint
-from tests.install import installing
+from tests.install import installing, reset
 from tests.install.conftest import NODE_ROLE, SPOT, STABLE
 from tests.install.engine import ROOT, tag_of
 from tests.install.node import Cluster
@@ -28,8 +28,7 @@ CACHE = installing.CACHE
 
 
 def ready_pods(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
-    pods: list[dict[str, Any]] = cluster.get("pods", "-n", namespace, "-l", selector)["items"]
-    return [p for p in pods if {"type": "Ready", "status": "True"}.items() <= _condition(p, "Ready").items()]
+    return [pod for pod in reset.pods(cluster, namespace, selector) if reset.ready(pod)]
 
 
 def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
