@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from agent.cache.fetch.sources import Checksum, RemoteFile
 from agent.cache.fetch.verify import Digest
@@ -20,9 +20,6 @@ from bench.fetch_peers import Ran, run_measured
 from bench.fetch_targets import EVERY_GET, LIMITED_WRITE, ONE_GET, Row
 from bench.limited_disk import Unavailable, limited_disk
 from bench.s3_source import BUCKET, MIB, PREFIX, REGION, Model, Server
-
-if TYPE_CHECKING:
-    from bench.cache_fetch import Bench
 
 GIB = 1024**3
 WRITE_BLOCK = 16 * MIB
@@ -123,6 +120,30 @@ def checksum_rows(source: Model) -> list[Row]:
     return rows
 
 
+class RunOptions(Protocol):
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def runs(self) -> int: ...
+    @property
+    def limited_mib_s(self) -> int | None: ...
+
+
+class Bench(Protocol):
+    """What the reference rows need of a benchmark run (bench.cache_fetch.Bench), named here so that this module
+    does not import the one that imports it."""
+
+    dest: Path
+    source: Model
+    limited: Path | None
+    limited_writes: list[float]
+
+    @property
+    def options(self) -> RunOptions: ...
+
+    def settle(self) -> None: ...
+
+
 def reference_rows(bench: Bench, server: Server | None, why_no_server: str) -> list[Row]:
     total = bench.options.total_bytes
     writes = []
@@ -181,7 +202,8 @@ def source_row(bench: Bench, server: Server | None, why_no_server: str, *, every
         return row
     gets: list[tuple[Ran, int]] = []
     for run in range(bench.options.runs):
-        bench.prepare(None)
+        bench.settle()
+        warm(bench.source.files)
         got = source_get(server, bench.source, bench.dest / f"curl-{int(every)}-{run}.log", every=every)
         if isinstance(got, str):
             row.skipped = got
