@@ -15,6 +15,7 @@ sets it, so every process of the node (raylet, agent, Serve's replicas and proxy
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 import urllib.request
@@ -63,7 +64,7 @@ def install(root: Path | None = None) -> str | None:
 
 @dataclass
 class RayNode:
-    """One Ray head node (``ray start --head``) and the streaming app, served on ``http_port`` by Serve's proxy;
+    """One Ray head node (``ray start --head --block``) and the streaming app, served on ``http_port`` by Serve's proxy;
     the node's metrics agent serves every process's series on ``metrics_port``."""
 
     gcs_port: int
@@ -71,6 +72,7 @@ class RayNode:
     metrics_port: int
     log_path: Path
     report_interval_ms: int = REPORT_INTERVAL_MS
+    process: subprocess.Popen[bytes] | None = None
 
     @property
     def metrics_url(self) -> str:
@@ -80,35 +82,45 @@ class RayNode:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def _run(self, *args: str, timeout_s: float = START_TIMEOUT_S) -> None:
-        env = {
+    def _env(self) -> dict[str, str]:
+        return {
             **os.environ,
             "PYTHONPATH": str(REPO),  # Ray's workers import simulate.ray.app from here
             "RAY_metrics_report_interval_ms": str(self.report_interval_ms),
             "RAY_USAGE_STATS_ENABLED": "0",
         }
+
+    def _run(self, *args: str, timeout_s: float = START_TIMEOUT_S, check: bool = True) -> bool:
         with self.log_path.open("ab") as log:
             done = subprocess.run(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, timeout=timeout_s
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env(), timeout=timeout_s
             )
-        if done.returncode != 0:
+        if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(args[:3])} failed (exit {done.returncode}): {self.log_tail()}")
+        return done.returncode == 0
 
     def start(self) -> None:
-        """Start the head node and deploy the app; returns once the replica's series are on the metrics page."""
-        bin_dir = python_of(venv_dir()).parent
+        """Start the head node as a Ray container runs its node (``ray start --block``, the process the kubelet
+        signals) and deploy the app; returns once the replica's series are on the metrics page."""
+        ray = str(python_of(venv_dir()).parent / "ray")
         address = f"127.0.0.1:{self.gcs_port}"
-        self._run(
-            str(bin_dir / "ray"),
-            "start",
-            "--head",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            "--node-ip-address=127.0.0.1",
-            f"--port={self.gcs_port}",
-            f"--metrics-export-port={self.metrics_port}",
-        )
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    *(ray, "start", "--head", "--block", "--num-cpus=2", "--include-dashboard=false"),
+                    *("--disable-usage-stats", "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}"),
+                    f"--metrics-export-port={self.metrics_port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env(),
+            )
+        give_up = time.monotonic() + START_TIMEOUT_S
+        while not self._run(ray, "status", f"--address={address}", timeout_s=30, check=False):
+            if self.process.poll() is not None or time.monotonic() > give_up:
+                raise RuntimeError(f"ray start exited or never served: {self.log_tail()}")
+            time.sleep(0.5)
         self._run(
             str(python_of(venv_dir())),
             "-m",
@@ -119,6 +131,13 @@ class RayNode:
             str(self.http_port),
         )
         self._wait_exported("ray_serve_replica_processing_queries")
+
+    def terminate(self, within_s: float = 30.0) -> int:
+        """What the kubelet does to the Ray container after its preStop: SIGTERM to ``ray start --block``; returns
+        its exit status once it has exited."""
+        assert self.process is not None, "the node was never started"
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=within_s)
 
     def _wait_exported(self, name: str) -> None:
         """Return once the metrics agent's page has ``name``: the replica's first export comes up to 1.5 s after
@@ -135,7 +154,13 @@ class RayNode:
         raise TimeoutError(f"{name} not on {self.metrics_url}/metrics within {START_TIMEOUT_S} s: {self.log_tail()}")
 
     def stop(self) -> None:
-        """``ray stop --force``: every Ray process of this machine's sessions, as the node's own CLI stops them."""
+        """SIGTERM to the node, then ``ray stop --force``: every Ray process of this machine's sessions left, as the
+        node's own CLI stops them."""
+        if self.process is not None and self.process.poll() is None:
+            try:
+                self.terminate()
+            except subprocess.TimeoutExpired:
+                self.process.kill()
         self._run(str(python_of(venv_dir()).parent / "ray"), "stop", "--force", timeout_s=60)
 
     def log_tail(self, lines: int = 15) -> str:
