@@ -58,23 +58,39 @@ def install(root: Path | None = None) -> str | None:
     return VENV.install(steps, INSTALL_TIMEOUT_S, root)
 
 
-def recipe_hash() -> str:
-    return hashlib.sha256(RECIPE.read_bytes()).hexdigest()[:12]
+THINKING_RECIPE = (Path(__file__).with_name("thinking_model.py"), Path(__file__).with_name("transcripts.py"))
+
+
+def recipe_hash(*files: Path) -> str:
+    """What names a model in the cache: its recipe's files, so a changed recipe builds a new model."""
+    digest = hashlib.sha256()
+    for path in files or (RECIPE,):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def tiny_model(root: Path | None = None) -> Path:
     """The tiny model's directory, built (once per recipe) with the vLLM venv's Python; raises if that fails."""
+    return _built("tiny-llama", (RECIPE,), root)
+
+
+def thinking_model(root: Path | None = None) -> Path:
+    """The model that reasons and calls tools (``thinking_model.py``), built as the tiny one is."""
+    return _built("thinking-llama", THINKING_RECIPE, root)
+
+
+def _built(name: str, recipe: Sequence[Path], root: Path | None) -> Path:
     root = root or cache_root()
-    model = root / "models" / f"tiny-llama-{recipe_hash()}"
+    model = root / "models" / f"{name}-{recipe_hash(*recipe)}"
     if (model / "config.json").exists():
         return model
     staging = model.with_name(model.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    done = run([python_of(venv_dir(root)), RECIPE, staging], timeout_s=600)
+    done = run([python_of(venv_dir(root)), recipe[0], staging], timeout_s=600)
     if done.returncode != 0:
-        raise RuntimeError(f"building the tiny model failed: {last_line(done.stderr)}")
+        raise RuntimeError(f"building the {name} model failed: {last_line(done.stderr)}")
     staging.rename(model)
-    for stale in model.parent.glob("tiny-llama-*"):  # an older recipe's
+    for stale in model.parent.glob(f"{name}-*"):  # an older recipe's
         if stale != model:
             shutil.rmtree(stale, ignore_errors=True)
     return model
