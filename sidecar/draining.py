@@ -47,9 +47,11 @@ async def drainer(
     loop = asyncio.get_running_loop()
     # A resumed drain keeps the timeout and endpoint delay of the one it continues.
     started_at = loop.time() - max(0.0, (utcnow() - started).total_seconds())
-    drain = Drain(started_at=started_at, deadline=drain_deadline(lifecycle, settings, started_at))
+    deadline = drain_deadline(lifecycle, settings, started_at)
+    settled_at = min(started_at + settings.endpoint_delay_s, deadline)
+    drain = Drain(started_at=started_at, deadline=deadline, settled_at=settled_at)
     # Until endpoints have caught up, requests may still arrive: a zero now would prove nothing.
-    await asyncio.sleep(max(0.0, min(started_at + settings.endpoint_delay_s, drain.deadline) - loop.time()))
+    await asyncio.sleep(max(0.0, settled_at - loop.time()))
     confirm_s = settings.zero_confirm_s
     while True:
         reading = await engine.read(wants_connections=partial(needs_connections, drain, zero_confirm_s=confirm_s))

@@ -4,8 +4,9 @@ Phases only move forward: SERVING -> DRAINING -> DRAINED. While draining, each r
 the drain running or ends it with an outcome:
 
 - ``drained``: in-flight was 0 on consecutive readings spanning the engine's reporting interval (``zero_confirm_s``:
-  a page can lag the engine by that much) and, at the last of them, no connection to the engine's port could still
-  carry a request (``sidecar.connections``: a request not yet counted, bytes a client has still to read; idle
+  a page can lag the engine by that much), or on one reading that much after the endpoints caught up (it shows the
+  engine after the last request could arrive), and, at the last of them, no connection to the engine's port could
+  still carry a request (``sidecar.connections``: a request not yet counted, bytes a client has still to read; idle
   keep-alive connections do not count);
 - ``stalled``: in-flight unchanged, the token counter on the page and still, and no such connection for
   ``stall_after_s`` (vLLM's gauges can stay non-zero after clients went away). Without a token counter nothing
@@ -58,6 +59,7 @@ class Drain:
 
     started_at: float
     deadline: float
+    settled_at: float | None = None  # when the endpoints had caught up: no request arrives after
     zero_since: float | None = None  # the first reading of the current run of zeros
     last: Reading | None = None
     quiet_since: float | None = None
@@ -81,8 +83,13 @@ def _quiet(previous: Reading | None, reading: Reading) -> bool:
 
 
 def _zero_confirmed(drain: Drain, reading: Reading, zero_confirm_s: float) -> bool:
-    """In-flight 0 now and on the reading before, the run of zeros spanning at least ``zero_confirm_s``."""
-    return reading.in_flight == 0 and drain.zero_since is not None and reading.at - drain.zero_since >= zero_confirm_s
+    """In-flight 0 now, and on the readings before for at least ``zero_confirm_s`` or read at least that long after
+    the endpoints caught up (a page lagging by up to that much then shows a moment no request arrives after)."""
+    if reading.in_flight != 0:
+        return False
+    if drain.settled_at is not None and reading.at - drain.settled_at >= zero_confirm_s:
+        return True
+    return drain.zero_since is not None and reading.at - drain.zero_since >= zero_confirm_s
 
 
 def needs_connections(drain: Drain, reading: Reading, *, zero_confirm_s: float) -> bool:
@@ -122,10 +129,12 @@ def streams_cut(drain: Drain, outcome: Outcome) -> int:
 
 def next_poll_delay(drain: Drain, now: float, *, poll_interval_s: float, zero_confirm_s: float) -> float:
     """How long to wait before the next reading: a zero is confirmed as soon as its run spans ``zero_confirm_s``
-    (a tenth of a poll interval after it at the soonest), and no wait runs past the deadline."""
+    or it is that long after the endpoints caught up (a tenth of a poll interval after it at the soonest), and no
+    wait runs past the deadline."""
     wait = poll_interval_s
     if drain.zero_since is not None and drain.last is not None:
-        remaining = drain.zero_since + zero_confirm_s - now
+        starts = drain.zero_since if drain.settled_at is None else min(drain.zero_since, drain.settled_at)
+        remaining = starts + zero_confirm_s - now
         if remaining > 0 or drain.last.at == drain.zero_since:
             wait = min(poll_interval_s, max(poll_interval_s / 10, remaining))
     return max(0.0, min(wait, drain.deadline - now))

@@ -60,6 +60,28 @@ def test_zeros_shorter_than_the_reporting_interval_do_not_drain() -> None:
     assert outcome is None
 
 
+def test_one_zero_read_the_reporting_interval_after_the_endpoints_caught_up_drains() -> None:
+    # A stream that ends long after the endpoints caught up: the page's first zero shows the engine after the last
+    # request could arrive, so no run of zeros is waited for (Ray's page would add its whole lag a second time).
+    settled = Drain(started_at=0.0, deadline=100.0, settled_at=1.0)
+    readings = [Reading(10, 2, connections=1), Reading(30, 2, connections=1), Reading(30.5, 0, connections=0)]
+    drain = settled
+    outcomes = []
+    for reading in readings:
+        drain, outcome = observe(drain, reading, stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+        outcomes.append(outcome)
+    assert outcomes == [None, None, Outcome.DRAINED]
+    # Sooner than the interval after the endpoints caught up, a zero may be a page not yet showing a late request.
+    early, outcome = observe(settled, Reading(1.5, 0, connections=0), stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+    assert outcome is None
+    assert next_poll_delay(early, 1.5, poll_interval_s=0.5, zero_confirm_s=CONFIRM_S) == 0.5
+    _, outcome = observe(early, Reading(2.0, 0, connections=0), stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+    assert outcome is Outcome.DRAINED
+    # And a connection that may still carry a request holds it as before.
+    _, outcome = observe(settled, Reading(30, 0, connections=1), stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
+    assert outcome is None
+
+
 def test_a_client_still_connected_holds_a_confirmed_zero_until_it_leaves() -> None:
     readings = [Reading(t / 2, 0, connections=1) for t in range(2, 10)] + [Reading(5, 0, connections=0)]
     _, outcome, index = run(readings)
@@ -148,9 +170,11 @@ readings = st.builds(
 )
 
 
-@given(st.lists(readings, min_size=1, max_size=60), st.floats(0.5, 30))
-def test_every_drain_ends_by_its_deadline_and_only_for_a_reason(shape: list[Reading], deadline: float) -> None:
-    drain = Drain(started_at=0.0, deadline=deadline)
+@given(st.lists(readings, min_size=1, max_size=60), st.floats(0.5, 30), st.one_of(st.none(), st.floats(0, 5)))
+def test_every_drain_ends_by_its_deadline_and_only_for_a_reason(
+    shape: list[Reading], deadline: float, settled_at: float | None
+) -> None:
+    drain = Drain(started_at=0.0, deadline=deadline, settled_at=settled_at)
     for step, template in enumerate(shape):
         reading = Reading(step * 0.5, template.in_flight, template.tokens, template.connections)
         previous = drain
@@ -158,10 +182,8 @@ def test_every_drain_ends_by_its_deadline_and_only_for_a_reason(shape: list[Read
         if outcome is Outcome.DRAINED:
             assert reading.in_flight == 0
             assert reading.connections == 0
-            assert previous.last is not None
-            assert previous.last.in_flight == 0
-            assert previous.zero_since is not None
-            assert reading.at - previous.zero_since >= CONFIRM_S
+            run_of_zeros = previous.zero_since is not None and reading.at - previous.zero_since >= CONFIRM_S
+            assert run_of_zeros or (settled_at is not None and reading.at - settled_at >= CONFIRM_S)
         if outcome is Outcome.STALLED:
             assert reading.connections == 0
             assert reading.in_flight is not None
