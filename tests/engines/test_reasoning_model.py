@@ -1,0 +1,78 @@
+"""The thinking model says its transcripts on real vLLM 0.32, decoding greedily: reasoning, answer and tool calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from simulate.fakes.processes import free_port
+from simulate.vllm.server import MODEL_NAME, VllmServer, available, thinking_model
+from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
+
+PARSER_ARGS = ("--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+@pytest.fixture(scope="module")
+def thinking_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        model = thinking_model()
+    except (OSError, RuntimeError) as error:
+        pytest.skip(str(error))
+    server = serving(model, tmp_path_factory.mktemp("thinking"), PARSER_ARGS)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def serving(model: Path, log_dir: Path, args: tuple[str, ...]) -> VllmServer:
+    server = VllmServer(port=free_port(), model=model, log_path=log_dir / "vllm.log", extra_args=args)
+    server.start()
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.kill()
+        raise
+    return server
+
+
+def chat_body(t: Transcript, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL_NAME, "messages": t.messages, "max_tokens": 600, "temperature": 0}
+    if t.tools:
+        body["tools"] = t.tools
+    return body | extra
+
+
+@pytest.mark.parametrize("t", TRANSCRIPTS, ids=[t.name for t in TRANSCRIPTS])
+def test_the_model_reasons_answers_and_calls_tools_as_its_transcript_says(
+    thinking_vllm: VllmServer, t: Transcript
+) -> None:
+    answer = httpx.post(f"{thinking_vllm.url}/v1/chat/completions", json=chat_body(t), timeout=120).json()
+    choice = answer["choices"][0]
+    message = choice["message"]
+    assert message["reasoning"] == t.reasoning
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message.get("tool_calls") or ()]
+    assert calls == [(c.name, c.arguments) for c in t.calls]
+    # Not streamed, the hermes parser gives what precedes the first call, None where that is only white space.
+    assert message["content"] == (t.content if t.content.strip() else None)
+    assert choice["finish_reason"] == ("tool_calls" if t.calls else "stop")
+
+
+@pytest.mark.parametrize("t", TRANSCRIPTS, ids=[t.name for t in TRANSCRIPTS])
+def test_the_same_prompt_ids_on_completions_give_the_transcripts_raw_text(
+    thinking_vllm: VllmServer, t: Transcript
+) -> None:
+    chat = chat_body(t, return_token_ids=True)
+    ids = httpx.post(f"{thinking_vllm.url}/v1/chat/completions", json=chat, timeout=120).json()["prompt_token_ids"]
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 600, "temperature": 0}
+    answer = httpx.post(f"{thinking_vllm.url}/v1/completions", json=body, timeout=120).json()
+    assert answer["choices"][0]["text"] == t.completion
+    assert answer["choices"][0]["finish_reason"] == "stop"
