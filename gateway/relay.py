@@ -84,14 +84,16 @@ class ClientStream:
         if self.send(data, content=content):
             await self.drain()
 
-    def send(self, data: bytes, *, content: bool = True) -> bool:
-        """Write ``data`` now; True where the client's buffer is full and ``drain`` is to be awaited."""
+    def send(self, data: bytes, *, content: bool = True, now: float | None = None) -> bool:
+        """Write ``data`` now (``now``: the monotonic time, where the caller has it); True where the client's buffer
+        is full and ``drain`` is to be awaited."""
         try:
             full = self.connection.send(data)
         except ConnectionError as error:
             raise ClientGone(str(error)) from None
         if content:
-            now = time.monotonic()
+            if now is None:
+                now = time.monotonic()
             if self.gap_from is not None:
                 self.on_gap(now - self.gap_from)
                 self.gap_from = None
@@ -200,20 +202,23 @@ class _Events:
     def take(self, data: bytes) -> bool:
         """Relay the events ``data`` completes, in one write; True where the relay must wait: the stream ended, or the
         client's buffer is full. Raises ClientGone."""
-        self.mover.heard(time.monotonic())
+        now = time.monotonic()
+        self.mover.heard(now)
         try:
             events = self.parser.feed(data)
         except EventTooLarge as error:
             self.end = Broken("garbage", str(error))
             return True
-        return self._relay(events)
+        if len(events) == 1 and (out := self.splicer.by_shape(events[0])) is not None:
+            return self.client.send(out, now=now)  # most reads: one token chunk, read by the stream's shape
+        return self._relay(events, now)
 
     def close(self) -> End | None:
         """How the stream ended, from the events a CR held back at its end."""
-        self._relay(self.parser.close())
+        self._relay(self.parser.close(), time.monotonic())
         return self.end
 
-    def _relay(self, events: list[bytes]) -> bool:
+    def _relay(self, events: list[bytes], now: float) -> bool:
         out = []
         for data in events:
             step = self.splicer.accept(data)
@@ -222,5 +227,5 @@ class _Events:
             if step.end is not None:
                 self.end = step.end
                 break
-        full = self.client.send(b"".join(out)) if out else False
+        full = self.client.send(b"".join(out), now=now) if out else False
         return full or self.end is not None

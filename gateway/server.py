@@ -191,7 +191,10 @@ class Connection(asyncio.Protocol):
     def send(self, data: bytes) -> bool:
         """One piece of the stream; True where the client's buffer is full and ``drain`` is to be awaited."""
         assert self.request is not None
-        self._live().write(b"%x\r\n%b\r\n" % (len(data), data) if self.request.chunked else data)
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed its connection")
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.request.chunked else data)
         return self._writable is not None
 
     async def drain(self) -> None:

@@ -25,6 +25,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.chunk_shape import Shape, hidden, learn
 from gateway.reshape import as_chat
 from gateway.token_ids import hide, hide_in
 
@@ -37,6 +38,9 @@ DONE = b"data: [DONE]\n\n"
 # Why a backend stream ended abnormally; each is a reason to continue elsewhere and a metric label.
 # "proactive": the gateway itself moved the stream off a backend whose node is about to be reclaimed; "stalled": off
 # a backend going away, on which the stream had gone silent.
+# A stream's shape is learned from one of its first chunks, or not at all: a stream whose first chunks all differ
+# (logprobs, usage on each) is not parsed again to learn from every one.
+LEARN_WITHIN_TOKENS = 32
 CAUSES = ("reset", "timeout", "server_error", "error_event", "abort", "garbage", "unavailable", "proactive", "stalled")
 
 
@@ -97,6 +101,8 @@ class Splicer:
     tokens_before_segment: int = 0
     backend_usage: dict[str, Any] | None = None
     raw_usage: bytes | None = None
+    shapes: bool = True  # read the first backend's plain token chunks by their shape (False: parse every one)
+    shape: Shape | None = None  # of the first backend's plain token chunks, once learned
 
     @property
     def finished(self) -> bool:
@@ -116,6 +122,7 @@ class Splicer:
         ``source_chat``: its backend's shape (None: the client's)."""
         self.continuing = self.shown > 0  # else nothing generated reached the client: its request starts over
         self.segment += 1
+        self.shape = None  # a continuation's chunks are rewritten: each is parsed
         self.source_chat = source_chat
         self.tokens_before_segment = self.tokens
         self.backend_usage = self.raw_usage = None
@@ -130,6 +137,8 @@ class Splicer:
 
     def accept(self, data: bytes) -> Step:
         """One backend event (the bytes after ``data:``): what to relay and whether this backend's stream ended."""
+        if self.shape is not None and (out := self.by_shape(data)) is not None:
+            return Step(out=out)
         if data == b"[DONE]":
             if self.finished or self.multiple_choices:
                 return Step(end=Finished())
@@ -186,7 +195,33 @@ class Splicer:
             self.finish_reason = str(finish)
         if dropped or (repeated and not new and finish is None and not choice["token_ids"]):
             return Step()  # the client had this chunk already
+        if self.shapes and self.shape is None and not self.segment and self.tokens <= LEARN_WITHIN_TOKENS:
+            self.shape = learn(data, choice, chat=self.chat)
         return Step(out=self._relay(chunk, data))
+
+    def by_shape(self, data: bytes) -> bytes | None:
+        """What to relay of a plain token chunk of the first backend, read from its bytes by the stream's shape, and
+        what the parse (``_choice``) would have kept of it; None where the event needs ``accept``."""
+        shape = self.shape
+        slots = None if shape is None else shape.match(data)
+        if slots is None:
+            return None
+        text, token, ids_at = slots
+        self.text += text  # the first backend's: nothing of it is behind
+        if token is not None:
+            self.tokens += 1
+            if self.token_ids is not None:
+                self.token_ids.append(token)
+            if text:
+                self.resume_ids, self.resume_text = self.tokens, len(self.text)
+        elif text:
+            self.tokens += 1
+            self.token_ids = None
+        self.shown = max(self.shown, self.tokens)
+        if self.hide_ids and token is not None:
+            assert shape is not None
+            return b"data: " + hidden(shape, data, ids_at) + b"\n\n"
+        return b"data: " + data + b"\n\n"
 
     def _new_text(self, piece: str) -> str:
         """What of ``piece`` the client does not have yet (after a rewind, the backend first says it again)."""
