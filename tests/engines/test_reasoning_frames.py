@@ -1,0 +1,252 @@
+"""What real vLLM 0.32 streams for chats that reason and call tools, and that a cut one continues exactly.
+
+The thinking model (simulate/vllm/thinking_model.py) is served twice, with ``--reasoning-parser deepseek_r1`` and with
+``qwen3``, both with ``--enable-auto-tool-choice --tool-call-parser hermes``. Each transcript's chat is streamed
+once with ``return_token_ids`` (as the gateway asks for it, gateway/token_ids.py) and the same prompt's ids once on
+``/v1/completions`` (the raw text, token by token, that the parsers split). The frames are recorded as facts the
+continuation is built on; then each stream is cut at points around its markers and elsewhere, continued by ids on
+``/v1/completions``, and the deltas gateway.reasoning makes of the continuation, after the ones vLLM sent before the
+cut, must add up to the message of the stream that was never cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+
+from gateway.reasoning import ChatParsers, Markers, Piece, assembled, continued, finish_reason, reasoning_tokens
+from gateway.tool_calls import Delta
+from simulate.fakes.processes import free_port
+from simulate.fakes.sse_client import Streamed, read_stream
+from simulate.vllm.server import MODEL_NAME, VllmServer, available, thinking_model
+from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
+from tests.engines.test_reasoning_model import chat_body
+
+TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+PARSERS = ("deepseek_r1", "qwen3")
+MAX_TOKENS = 600
+EOS = "<|im_end|>"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One transcript's chat as vLLM streamed it, and the same prompt's raw completion."""
+
+    chat: Streamed
+    raw: Streamed
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        ids: list[int] = self.chat.chunks[0]["prompt_token_ids"]
+        return ids
+
+    @property
+    def choices(self) -> list[dict[str, Any]]:
+        return [c for chunk in self.chat.chunks for c in chunk.get("choices") or () if "token_ids" in c]
+
+    @property
+    def ids(self) -> list[int]:
+        return [i for c in self.choices for i in c["token_ids"]]
+
+    @property
+    def deltas(self) -> list[Delta]:
+        return [c["delta"] for c in self.choices]
+
+    @property
+    def pieces(self) -> list[Piece]:
+        return pieces(self.raw)
+
+
+@dataclass
+class Served:
+    server: VllmServer
+    parsers: ChatParsers
+    recorded: dict[str, Recorded]
+
+
+def pieces(raw: Streamed) -> list[Piece]:
+    return [Piece(c["text"], tuple(c["token_ids"])) for chunk in raw.chunks for c in chunk.get("choices") or ()]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        model = thinking_model()
+    except (OSError, RuntimeError) as error:
+        pytest.skip(str(error))
+    log_dir = tmp_path_factory.mktemp("reasoning")
+    servers = {
+        name: VllmServer(free_port(), model, log_dir / f"{name}.log", ("--reasoning-parser", name, *TOOLS))
+        for name in PARSERS
+    }
+    try:
+        for server in servers.values():
+            server.start()
+        for server in servers.values():
+            server.wait_ready()
+        yield {name: _recorded(name, server) for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _recorded(name: str, server: VllmServer) -> Served:
+    said = httpx.post(f"{server.url}/tokenize", json={"prompt": f"<think></think><|im_start|>{EOS}"}, timeout=30)
+    start, end, *boundaries = said.json()["tokens"]
+    parsers = ChatParsers(name, "hermes", Markers(start, end, frozenset(boundaries)))
+    return Served(server, parsers, asyncio.run(_record(server.url)))
+
+
+async def _record(url: str) -> dict[str, Recorded]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        out = {}
+        for t in TRANSCRIPTS:
+            body = chat_body(t, return_token_ids=True, stream_options={"include_usage": True})
+            chat = await read_stream(f"{url}/v1/chat/completions", body, session=session)
+            prompt = chat.chunks[0]["prompt_token_ids"]
+            raw = await read_stream(f"{url}/v1/completions", completion(prompt, MAX_TOKENS), session=session)
+            out[t.name] = Recorded(chat, raw)
+        return out
+
+
+def completion(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    # skip_special_tokens false, as the parsers' adjust_request sets it for the chat (hermes with tools, qwen3).
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+    }
+
+
+def by_transcript(served: dict[str, Served]) -> Iterator[tuple[Served, Transcript, Recorded]]:
+    for one in served.values():
+        for t in TRANSCRIPTS:
+            yield one, t, one.recorded[t.name]
+
+
+def test_reasoning_comes_in_the_reasoning_field_one_token_a_delta(served: dict[str, Served]) -> None:
+    for _, t, recorded in by_transcript(served):
+        assert not any("reasoning_content" in d for d in recorded.deltas)
+        assert "".join(d.get("reasoning") or "" for d in recorded.deltas) == t.reasoning
+        assert all(set(d) == {"reasoning"} for d in recorded.deltas if d.get("reasoning"))
+
+
+def test_the_first_chunk_is_the_role_with_the_prompt_ids_and_no_token_ids(served: dict[str, Served]) -> None:
+    for _, _, recorded in by_transcript(served):
+        first = recorded.chat.chunks[0]
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert "token_ids" not in first["choices"][0]
+        assert recorded.prompt_ids == recorded.raw.chunks[0]["choices"][0]["prompt_token_ids"]
+
+
+def test_the_end_of_reasoning_is_a_chunk_with_no_delta_but_its_token_id(served: dict[str, Served]) -> None:
+    for one, _, recorded in by_transcript(served):
+        assert one.parsers.markers is not None
+        end = one.parsers.markers.think_end
+        marked = [c for c in recorded.choices if end in c["token_ids"]]
+        assert len(marked) == 1
+        if marked[0]["token_ids"] == [end]:  # alone in its chunk, as it is unless the engine batched tokens
+            assert marked[0]["delta"] == {}
+        assert not any("</think>" in json.dumps(d) for d in recorded.deltas)
+
+
+def test_a_tool_call_is_named_with_its_id_first_then_its_arguments_in_pieces(served: dict[str, Served]) -> None:
+    for _, t, recorded in by_transcript(served):
+        calls = [c for d in recorded.deltas for c in d.get("tool_calls") or ()]
+        assert all(d.get("content") is None for d in recorded.deltas if d.get("tool_calls"))
+        for index, call in enumerate(t.calls):
+            mine = [c for c in calls if c["index"] == index]
+            first, *rest = mine
+            assert first["id"].startswith("chatcmpl-tool-")
+            assert first["type"] == "function"
+            assert first["function"] == {"name": call.name}
+            assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in rest)
+            assert "".join(c["function"]["arguments"] for c in rest) == json.dumps(call.arguments)
+        assert len(calls) == sum(1 for c in calls if "id" in c) + sum(1 for c in calls if "id" not in c)
+        assert len({c["index"] for c in calls}) == len(t.calls)
+
+
+def test_the_finish_and_usage_count_every_token_and_the_reasoning_as_each_parser_does(
+    served: dict[str, Served],
+) -> None:
+    for one, t, recorded in by_transcript(served):
+        finished = [c for c in recorded.choices if c["finish_reason"]]
+        assert [c["finish_reason"] for c in finished] == ["tool_calls" if t.calls else "stop"]
+        assert recorded.choices[-1] is finished[0]
+        usage = recorded.chat.usage[-1]
+        assert usage["completion_tokens"] == len(recorded.ids)
+        assert recorded.ids == [i for p in recorded.pieces for i in p.ids]  # the end of turn's id included
+        counted = usage["completion_tokens_details"]["reasoning_tokens"]
+        assert counted == reasoning_tokens(one.parsers, recorded.ids)
+        if one.parsers.reasoning == "deepseek_r1":
+            assert counted == 0  # its <think> is the prompt's: no start marker among the generated ids
+
+
+def cuts(recorded: Recorded, markers: Markers, tool_start: int) -> list[int]:
+    """Token counts to cut after: around the end of the reasoning and the first call, and elsewhere; only where
+    both streams end a chunk and the raw text is not in the middle of a character."""
+    ids = recorded.ids
+    end = ids.index(markers.think_end)
+    call = ids.index(tool_start) if tool_start in ids else None
+    wanted = [1, end, end + 1, end + 3, len(ids) - 2]
+    if call is not None:
+        wanted += [call + 1, call + 6, call + 14, len(ids) - 12]
+    chat_ends = set(accumulate(len(c["token_ids"]) for c in recorded.choices))
+    raw = recorded.pieces
+    raw_ends = {n for n, p in zip(accumulate(len(p.ids) for p in raw), raw, strict=True) if p.text}
+    return sorted({n for n in wanted if 0 < n < len(ids) and n in chat_ends and n in raw_ends})
+
+
+def before_cut(recorded: Recorded, n: int) -> tuple[list[Delta], list[Piece]]:
+    sent = list(accumulate(len(c["token_ids"]) for c in recorded.choices)).index(n) + 1
+    raw = list(accumulate(len(p.ids) for p in recorded.pieces)).index(n) + 1
+    return recorded.deltas[:sent], recorded.pieces[:raw]
+
+
+def without_new_ids(message: Delta, kept: set[int]) -> Delta:
+    calls = [c if c["index"] in kept else {**c, "id": None} for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+async def _continue(url: str, prompt: list[int], max_tokens: int) -> Streamed:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        return await read_stream(f"{url}/v1/completions", completion(prompt, max_tokens), session=session)
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_a_cut_chat_continued_on_completions_adds_up_to_the_uncut_message(served: dict[str, Served], name: str) -> None:
+    one = served[name]
+    markers = one.parsers.markers
+    assert markers is not None
+    tool_start = httpx.post(f"{one.server.url}/tokenize", json={"prompt": "<tool_call>"}, timeout=30).json()
+    tried = 0
+    for t in TRANSCRIPTS:
+        recorded = one.recorded[t.name]
+        whole = assembled(recorded.deltas)
+        for n in cuts(recorded, markers, tool_start["tokens"][0]):
+            sent, before = before_cut(recorded, n)
+            follow = asyncio.run(_continue(one.server.url, recorded.prompt_ids + recorded.ids[:n], MAX_TOKENS - n))
+            after = pieces(follow)
+            assert [i for p in after for i in p.ids] == recorded.ids[n:], (t.name, n)
+            rest, tools_streamed = continued(one.parsers, recorded.prompt_ids, before, after)
+            begun = {c["index"] for d in sent for c in d.get("tool_calls") or () if "id" in c}
+            got = assembled([*sent, *rest])
+            assert without_new_ids(got, begun) == without_new_ids(whole, begun), (t.name, n)
+            reason = finish_reason(follow.finish_reasons[-1], tools_streamed=tools_streamed)
+            assert reason == recorded.chat.finish_reasons[-1], (t.name, n)
+            tried += 1
+    assert tried >= 20
