@@ -5,14 +5,17 @@ One backend (bench/sse_source.py) serves every target: ``direct`` (the backend i
 ``--workers`` (the targets are read on it) and with one worker (``SPOTDRAIN_BENCH_GATEWAY_ARGS`` adds flags to both),
 and each peer bench/peer_routers.py could install. Three loads, each in rounds that interleave the targets (the order
 turns each round, so no target always runs on a machine its predecessor just warmed or loaded): 1 stream, 100
-streams at 50 chunks/s each, 500 at 20/s, started over one chunk interval. Clients run in processes of their own
-(bench/relay_client.py) and check every event byte for byte. A figure is the median over rounds; "added" is a
-target's percentile less the direct one of the same round. This is a shared 2-core machine: the load average at each
-round's start is in the details.
+streams at 50 chunks/s each, 500 at 20/s, started over one chunk interval; then the 100 and 500 again with the
+backend dropping one stream in ten halfway (``--break-every``), which the gateway continues on it, against the
+gateway and the direct streams alone (no router continues a stream). Clients run in processes of their own
+(bench/relay_client.py) and check every event byte for byte, a continued stream's too. A figure is the median over
+rounds; "added" is a target's percentile less the direct one of the same round. This is a shared 2-core machine: the
+load average at each round's start is in the details.
 
-Targets (on 2 cores): at 100 streams, CPU per chunk at most 1.5 times the better router's and p99 added at most
-twice theirs; at 500 streams p50 added at most 5 ms; at 1 stream p90 added at most 0.5 ms; resident memory at most
-60 MB idle per process and 20 KB per open stream; every stream exact, with one ``[DONE]``.
+Targets (on 2 cores): CPU per chunk at 100 and at 500 streams at most the better router's, with streams continued
+or not; at 500 streams, with streams continued or not, p50 and p99 added at most the better router's, and p50 added
+at most 5 ms; at 100 streams p99 at most twice the better router's; at 1 stream p90 added at most 0.5 ms; resident
+memory at most 60 MB idle per process and 20 KB per open stream; every stream exact, with one ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from bench.common import Result, tree_cpu_s, tree_rss_mb
-from bench.peer_figures import DIRECT, LOADS, Load, Run, Target, merged, results, table
+from bench.peer_figures import CONTINUED, DIRECT, LOADS, Load, Run, Target, merged, results, table
 from bench.peer_routers import LITELLM_SKIPPED, Missing, Peer, argv_for, routers
 from gateway.cpus import default_workers
 from simulate.fakes.processes import free_port, wait_http
@@ -128,13 +131,16 @@ async def _peak(target: Target) -> None:
 
 
 async def play(workdir: Path, load: Load, peers: list[Peer]) -> list[Target]:
-    """The backend at ``load``'s pace, every target in front of it, ``ROUNDS`` interleaved rounds."""
+    """The backend at ``load``'s pace, every target in front of it (the gateway's alone where the load breaks
+    streams), ``ROUNDS`` interleaved rounds."""
     backend_port = free_port()
     backend = f"http://127.0.0.1:{backend_port}"
     source = [sys.executable, "-m", "bench.sse_source", "--port", str(backend_port), "--interval", str(load.interval_s)]
+    source += ["--break-every", str(load.break_every)]
+    others = [] if load.break_every else [floor(), *peers]
     async with started(source, workdir / "backend.log", f"{backend}/health"):
         targets = [Target(DIRECT, f"{backend}/v1/completions", None)]
-        await _with(workdir, load, [ours(), ours(workers=1), floor(), *peers], backend, targets)
+        await _with(workdir, load, [ours(), ours(workers=1), *others], backend, targets)
     return targets
 
 
@@ -168,7 +174,7 @@ async def measure() -> list[Result]:
     peers = [p for p in found if isinstance(p, Peer)]
     missing = [m for m in found if isinstance(m, Missing)] + [Missing("LiteLLM", LITELLM_SKIPPED)]
     with tempfile.TemporaryDirectory(prefix="spotdrain-bench-peers-") as name:
-        by_load = {load.name: await play(Path(name), load, peers) for load in LOADS}
+        by_load = {load.name: await play(Path(name), load, peers) for load in (*LOADS, *CONTINUED)}
     targets = merged(by_load)
     print(table(targets), file=sys.stderr)
     for m in missing:

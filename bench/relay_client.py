@@ -3,7 +3,8 @@
 ``python -m bench.relay_client SPEC``, SPEC being JSON ``{"url": ..., "count": N, "body": {...}, "spread_s": S}``:
 ``count`` streams, their starts spread evenly over ``spread_s``. Each event must be exactly the bytes
 bench/sse_source.py wrote for that token (the proxy's client asked for no token ids, so it gets them as ``null``),
-``max_tokens`` of them, then one ``data: [DONE]`` and nothing else. Prints one JSON object: ``latencies_ms`` (from
+``max_tokens`` of them, then one ``data: [DONE]`` and nothing else but comment lines (the gateway marks where it
+continued a stream with one; an SSE client skips them, as this one does). Prints one JSON object: ``latencies_ms`` (from
 the time written in each event to its arrival here), ``streams``, ``exact`` (streams that were) and ``faults`` (the
 first few that were not, said how). Reads lines with no JSON parsing, so the client costs the machine little.
 """
@@ -58,7 +59,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, body: dict[str, A
             return
         async for line in response.content:
             now_ns = time.monotonic_ns()
-            if line == b"\n" or line == b"\r\n":
+            if line == b"\n" or line == b"\r\n" or line.startswith(b":"):
                 continue
             if line == _DONE:
                 dones += 1

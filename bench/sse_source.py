@@ -5,6 +5,11 @@ each chunk took to reach it, directly or through the gateway. ``python -m bench.
 ``max_tokens`` chunks per request, ``S`` seconds apart (0: as fast as the socket takes them). Like vLLM 0.32.0, each
 chunk carries ``prompt_token_ids`` and ``token_ids``, lists with ``return_token_ids`` (which the gateway asks for)
 and null without; ``--ignore-token-ids`` answers as an engine without the field.
+
+``--break-every N`` drops the connection of one stream in N halfway (those that asked for token ids: what a gateway
+can continue), as a replica whose node is reclaimed does. A request whose prompt is token ids (the prompt's own and
+the tokens generated so far: a continuation, gateway/continuation.py) is answered from the token after them, so the
+stream a client gets through the gateway is the one it would have got unbroken.
 """
 
 from __future__ import annotations
@@ -34,19 +39,41 @@ _MIDDLE = b'","logprobs":null,"finish_reason":'
 _STOP = b',"stop_reason":null,"prompt_token_ids":'
 _TOKENS = b',"token_ids":'
 _TAIL = b"}]}\n\n"
+PROMPT_IDS = 5  # the prompt's own ids, in the first chunk
 
 
-def app(interval_s: float, *, token_ids: bool = True) -> web.Application:
+class _Breaks:
+    """Which streams to drop: every ``every``-th that asked for token ids (0: none)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.seen = 0
+
+    def after(self, count: int) -> int | None:
+        """After how many of its ``count`` chunks the next such stream is dropped; None: not dropped."""
+        self.seen += 1
+        return count // 2 if self.every and self.seen % self.every == 0 else None
+
+
+def app(interval_s: float, *, token_ids: bool = True, break_every: int = 0) -> web.Application:
+    breaks = _Breaks(break_every)
+
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        count = int(body.get("max_tokens", 16))
+        prompt = body.get("prompt")
+        start = len(prompt) - PROMPT_IDS if isinstance(prompt, list) else 0  # a continuation's: after its ids
+        end = start + int(body.get("max_tokens", 16))
         ids = token_ids and body.get("return_token_ids") is True
+        cut = breaks.after(end) if ids and not start else None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for index in range(count):
+        for index in range(start, end):
             if interval_s:
                 await asyncio.sleep(interval_s)
-            await response.write(chunk(index, last=index == count - 1, ids=ids))
+            if index == cut and request.transport is not None:
+                request.transport.close()  # the chunked answer ends without its last chunk: a reset
+                return response
+            await response.write(chunk(index, last=index == end - 1, ids=ids))
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -64,8 +91,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--interval", type=float, default=0.02)
     parser.add_argument("--ignore-token-ids", action="store_true", help="answer as an engine without the field")
+    parser.add_argument("--break-every", type=int, default=0, help="drop one stream in N that asked for token ids")
     args = parser.parse_args()
-    application = app(args.interval, token_ids=not args.ignore_token_ids)
+    application = app(args.interval, token_ids=not args.ignore_token_ids, break_every=args.break_every)
     web.run_app(application, host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 
