@@ -1,13 +1,15 @@
 """What a backend's plain token chunks have in common, learned from one of them, so the next are read without a parse.
 
 vLLM writes every token chunk of a stream as the same bytes around two slots: the token's text and its ids, e.g.
-``{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"SLOT","logprobs":
-null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[SLOT]}]}``. A shape is those bytes,
-learned from a chunk the splicer has parsed. A later event equal to it outside the slots, with a text slot that is
-plain UTF-8 (no escape, no control character: a JSON string as it is) and an ids slot of one decimal id, is a chunk
-whose parse would differ from the learned one in the text and the id alone: the splicer takes both from the slots and
-relays the bytes (the ids nulled where it hides them) without parsing. Any other event (the first, a finish, a role,
-an escape, logprobs, several ids, other spacing) is parsed in full, as before.
+``data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"SLOT",
+"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[SLOT]}]}`` and a blank
+line. A shape is those bytes, learned from a chunk the splicer has parsed. A later event equal to it outside the
+slots, with a text slot that is plain UTF-8 (no escape, no control character: a JSON string as it is) and an ids slot
+of one decimal id, is a chunk whose parse would differ from the learned one in the text and the id alone: the
+splicer takes both from the slots and relays the bytes (the ids nulled where it hides them) without parsing. Any
+other event (the first, a finish, a role, an escape, logprobs, several ids, other spacing) is parsed in full, as
+before. The shape holds the event's framing (one ``data:`` line, a blank one) with no line break inside, so a read
+of the backend's that matches it is that one event whole: the relay takes it without the event parser.
 
 Pure: no I/O.
 """
@@ -29,8 +31,9 @@ _SPACE = b" \t\n\r"
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """A chunk's bytes around its slots: ``prefix`` up to the text's first byte, ``middle`` from the text's closing
-    quote to the ids' first digit (or to the end, without ids), ``tail`` after the ids' ``]``."""
+    """A chunk's event around its slots: ``prefix`` (``data: `` and the chunk) up to the text's first byte,
+    ``middle`` from the text's closing quote to the ids' first digit (or to the end, without ids), ``tail`` after the
+    ids' ``]`` (the blank line included)."""
 
     prefix: bytes
     middle: bytes
@@ -38,8 +41,8 @@ class Shape:
     ids: bool  # the chunk has an ids slot
 
     def match(self, data: bytes) -> tuple[bytes, int | None, int] | None:
-        """``data``'s text (its UTF-8 bytes), token id (None without ids) and where its ids' ``[`` is; None where it
-        is not a chunk of this shape."""
+        """The text (its UTF-8 bytes) and token id (None without ids) of ``data``, one event, and where its ids' ``[``
+        is; None where it is not a chunk of this shape."""
         if not data.startswith(self.prefix):
             return None
         start = len(self.prefix)
@@ -69,8 +72,10 @@ def _utf8(text: bytes) -> bool:
 def learn(data: bytes, choice: dict[str, Any], *, chat: bool) -> Shape | None:
     """The shape of ``data``, a chunk whose parse is one choice ``choice`` (index 0) that the splicer relayed as it
     came and that changed nothing but the text and token count; None where its chunks cannot be read from bytes."""
-    if b"\\" in data or choice.get("finish_reason") is not None or choice.get("prompt_token_ids") is not None:
-        return None  # an escaped key could be any key; a finish or prompt ids are once a stream
+    if b"\\" in data or b"\n" in data or b"\r" in data:
+        return None  # an escaped key could be any key; a line break would be several lines of one event
+    if choice.get("finish_reason") is not None or choice.get("prompt_token_ids") is not None:
+        return None  # once a stream
     if chat and (b'"role"' in data or not _plain_delta(choice.get("delta"))):
         return None
     ids = choice.get("token_ids")
@@ -84,13 +89,13 @@ def learn(data: bytes, choice: dict[str, Any], *, chat: bool) -> Shape | None:
         return None
     close = data.find(b'"', start)
     if not isinstance(ids, list):
-        shape = Shape(data[:start], data[close:], b"", ids=False)
+        shape = Shape(b"data: " + data[:start], data[close:] + b"\n\n", b"", ids=False)
     else:
         at = _value(data, data.find(b'"token_ids":') + len(b'"token_ids":'), b"[")
         end = data.find(b"]", at)
         if not close < at <= end:
             return None
-        shape = Shape(data[:start], data[close:at], data[end + 1 :], ids=True)
+        shape = Shape(b"data: " + data[:start], data[close:at], data[end + 1 :] + b"\n\n", ids=True)
     return shape if _reads_back(shape, data, choice, chat=chat) else None
 
 
@@ -110,7 +115,8 @@ def _value(data: bytes, at: int, opening: bytes) -> int:
 
 def _reads_back(shape: Shape, data: bytes, choice: dict[str, Any], *, chat: bool) -> bool:
     """The shape reads its own chunk as the parse did, and hides its ids as ``token_ids.hide`` does."""
-    slots = shape.match(data)
+    event = b"data: " + data + b"\n\n"
+    slots = shape.match(event)
     if slots is None:
         return False
     text, token, ids_at = slots
@@ -120,9 +126,9 @@ def _reads_back(shape: Shape, data: bytes, choice: dict[str, Any], *, chat: bool
         return False
     if token != (ids[0] if isinstance(ids, list) else None):
         return False
-    return hide(data) == (hidden(shape, data, ids_at) if shape.ids else data)
+    return b"data: " + hide(data) + b"\n\n" == (hidden(shape, event, ids_at) if shape.ids else event)
 
 
-def hidden(shape: Shape, data: bytes, ids_at: int) -> bytes:
-    """``data``, a chunk of ``shape`` with ids, with its ids ``null`` (what ``token_ids.hide`` makes of it)."""
-    return data[:ids_at] + b"null" + shape.tail
+def hidden(shape: Shape, event: bytes, ids_at: int) -> bytes:
+    """``event``, a chunk of ``shape`` with ids, with its ids ``null`` (what ``token_ids.hide`` makes of it)."""
+    return event[:ids_at] + b"null" + shape.tail

@@ -204,13 +204,13 @@ class _Events:
         client's buffer is full. Raises ClientGone."""
         now = time.monotonic()
         self.mover.heard(now)
+        if self.parser.idle and (out := self.splicer.by_shape(data)) is not None:
+            return self.client.send(out, now=now)  # most reads: one token chunk's event, read by the stream's shape
         try:
             events = self.parser.feed(data)
         except EventTooLarge as error:
             self.end = Broken("garbage", str(error))
             return True
-        if len(events) == 1 and (out := self.splicer.by_shape(events[0])) is not None:
-            return self.client.send(out, now=now)  # most reads: one token chunk, read by the stream's shape
         return self._relay(events, now)
 
     def close(self) -> End | None:

@@ -137,7 +137,7 @@ class Splicer:
 
     def accept(self, data: bytes) -> Step:
         """One backend event (the bytes after ``data:``): what to relay and whether this backend's stream ended."""
-        if self.shape is not None and (out := self.by_shape(data)) is not None:
+        if self.shape is not None and (out := self.by_shape(b"data: " + data + b"\n\n")) is not None:
             return Step(out=out)
         if data == b"[DONE]":
             if self.finished or self.multiple_choices:
@@ -199,11 +199,12 @@ class Splicer:
             self.shape = learn(data, choice, chat=self.chat)
         return Step(out=self._relay(chunk, data))
 
-    def by_shape(self, data: bytes) -> bytes | None:
-        """What to relay of a plain token chunk of the first backend, read from its bytes by the stream's shape, and
-        what the parse (``_choice``) would have kept of it; None where the event needs ``accept``."""
+    def by_shape(self, event: bytes) -> bytes | None:
+        """What to relay of ``event`` (``data:`` line and blank line), a plain token chunk of the first backend, read
+        from its bytes by the stream's shape, and what the parse (``_choice``) would have kept of it; None where the
+        event needs ``accept``."""
         shape = self.shape
-        slots = None if shape is None else shape.match(data)
+        slots = None if shape is None else shape.match(event)
         if slots is None:
             return None
         text, token, ids_at = slots
@@ -220,8 +221,8 @@ class Splicer:
         self.shown = max(self.shown, self.tokens)
         if self.hide_ids and token is not None:
             assert shape is not None
-            return b"data: " + hidden(shape, data, ids_at) + b"\n\n"
-        return b"data: " + data + b"\n\n"
+            return hidden(shape, event, ids_at)
+        return event
 
     def _new_text(self, piece: str) -> str:
         """What of ``piece`` the client does not have yet (after a rewind, the backend first says it again)."""

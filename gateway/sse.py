@@ -52,6 +52,11 @@ class SseParser:
             return None
         return events
 
+    @property
+    def idle(self) -> bool:
+        """Between events: no line or event begun."""
+        return not self._partial and not self._data
+
     def close(self) -> list[bytes]:
         """The events a CR held back at the end completes, once the stream has ended."""
         return self.feed(b"\n") if self._partial.endswith(b"\r") else []

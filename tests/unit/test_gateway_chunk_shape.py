@@ -40,6 +40,10 @@ def vllm_chunk(text: str, ids: list[Any] | None, *, chat: bool = False, **choice
     return payload.encode("utf-8", "surrogatepass")
 
 
+def event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
 def pair(*, chat: bool = False, hide_ids: bool = True) -> tuple[Splicer, Splicer]:
     """A splicer with its fast path, and one that parses every chunk."""
     return (
@@ -168,7 +172,7 @@ def test_a_chat_stream_is_read_by_shape_after_its_role() -> None:
     splicer.accept(role)
     splicer.accept(vllm_chunk(" a", [5], chat=True))
     assert splicer.shape is not None
-    assert splicer.by_shape(vllm_chunk(" b", [6], chat=True)) == b"data: " + vllm_chunk(" b", None, chat=True) + b"\n\n"
+    assert splicer.by_shape(event(vllm_chunk(" b", [6], chat=True))) == event(vllm_chunk(" b", None, chat=True))
     assert splicer.text_so_far == " a b"
 
 
@@ -178,7 +182,7 @@ def test_a_continuation_is_parsed_and_its_first_backends_shape_is_forgotten() ->
     assert splicer.shape is not None
     splicer.next_segment()
     assert splicer.shape is None
-    assert splicer.by_shape(vllm_chunk(" b", [6])) is None
+    assert splicer.by_shape(event(vllm_chunk(" b", [6]))) is None
 
 
 def test_a_stream_without_ids_is_read_by_shape_counting_a_token_a_chunk_with_text() -> None:
@@ -215,7 +219,7 @@ def test_what_no_chat_shape_is_learned_from(delta: dict[str, Any], why: str) -> 
     assert learn(data, json.loads(data)["choices"][0], chat=True) is None, why
 
 
-SHAPE = Shape(b'{"choices":[{"text":"', b'","token_ids":[', b"}]}", ids=True)
+SHAPE = Shape(b'data: {"choices":[{"text":"', b'","token_ids":[', b"}]}\n\n", ids=True)
 
 
 @pytest.mark.parametrize(
@@ -240,4 +244,17 @@ SHAPE = Shape(b'{"choices":[{"text":"', b'","token_ids":[', b"}]}", ids=True)
     ],
 )
 def test_what_a_shape_reads_and_what_it_leaves_to_the_parse(data: bytes, slots: tuple[bytes, int, int] | None) -> None:
-    assert SHAPE.match(data) == slots
+    assert SHAPE.match(event(data)) == (slots and (slots[0], slots[1], slots[2] + len(b"data: ")))
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        event(b'{"choices":[{"text":" a","token_ids":[5]}]}') + event(b'{"choices":[{"text":" b","token_ids":[6]}]}'),
+        b'data: {"choices":[{"text":" a","token_ids":[5]}]}\n',
+        b'data: {"choices":[{"text":" a","token_ids":[5]}]}\r\n\r\n',
+        b'data:{"choices":[{"text":" a","token_ids":[5]}]}\n\n',
+    ],
+)
+def test_a_read_that_is_not_one_event_of_the_shape_goes_to_the_event_parser(read: bytes) -> None:
+    assert SHAPE.match(read) is None
