@@ -1,0 +1,74 @@
+"""The gateway's Python per relayed chunk, in one process: the relay's read callback (gateway.relay._Events.take),
+from a backend's read to the client's write, for a read that is one vLLM token chunk, as it runs now (the chunk read
+by its stream's shape, gateway/chunk_shape.py) and with every chunk parsed (``Splicer(shapes=False)``, the path
+before the shape). Completions and chat, the gateway hiding the token ids it asked for itself.
+
+CPU time (``time.process_time``) over many reads, the two paths interleaved in rounds, the median kept; the write is
+a recorded call (what gateway.server.Connection.send is handed), so system calls are not counted: bench/gateway_peers
+measures the whole. Target: the shape's path at most 0.6 times the parse's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from bench.common import Result, report
+from bench.sse_source import chunk
+from gateway.backends import Mover
+from gateway.relay import ClientStream, _Events
+from gateway.splice import Splicer
+
+RATIO_TARGET = 0.6
+READS = 20_000
+ROUNDS = 5
+_CHAT_HEAD = b'"object":"chat.completion.chunk"'
+
+
+class _Written:
+    """The client's connection, taking each write (gateway.server.Connection.send's part): a client that reads as
+    fast as it is written."""
+
+    def send(self, data: bytes) -> bool:
+        return False
+
+
+def _read(index: int, *, chat: bool) -> bytes:
+    """The backend's read for token ``index``: one event, as vLLM writes it (a chat's as its chat chunk)."""
+    event = chunk(index, last=False, ids=True, written_ns=10**15 + index)
+    if not chat:
+        return event
+    event = event.replace(b'"object":"text_completion"', _CHAT_HEAD).replace(b',"stop_reason":null', b"")
+    return event.replace(b'"text":"', b'"delta":{"content":"').replace(b'","logprobs"', b'"},"logprobs"')
+
+
+def per_read_us(*, chat: bool, shapes: bool) -> float:
+    """CPU microseconds per read, over ``READS`` reads of one stream."""
+    splicer = Splicer(chat=chat, include_usage=False, hide_ids=True, shapes=shapes)
+    client = ClientStream(_Written(), write_timeout_s=1.0, on_gap=lambda _: None)  # type: ignore[arg-type]
+    events = _Events(splicer, client, Mover())
+    reads = [_read(index, chat=chat) for index in range(READS)]
+    started = time.process_time()
+    for data in reads:
+        events.take(data)
+    return (time.process_time() - started) / READS * 1e6
+
+
+async def measure() -> list[Result]:
+    out = []
+    for chat in (False, True):
+        runs: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(ROUNDS):
+            for shapes in (True, False):
+                runs[shapes].append(per_read_us(chat=chat, shapes=shapes))
+        shape, parse = statistics.median(runs[True]), statistics.median(runs[False])
+        kind = "chat" if chat else "completions"
+        detail = f"{shape:.2f} µs a read by shape, {parse:.2f} µs parsed; median of {ROUNDS} rounds of {READS} reads"
+        out.append(Result.below(f"gateway_chunk_{kind}_ratio", shape / parse, "x", RATIO_TARGET, detail))
+    return out
+
+
+if __name__ == "__main__":
+    import asyncio
+
+    report(asyncio.run(measure()))
