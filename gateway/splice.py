@@ -218,7 +218,8 @@ class Splicer:
         elif text:
             self.tokens += 1
             self.token_ids = None
-        self.shown = max(self.shown, self.tokens)
+        if self.tokens > self.shown:
+            self.shown = self.tokens
         if self.hide_ids and token is not None:
             assert shape is not None
             return hidden(shape, event, ids_at)
