@@ -4,9 +4,10 @@ The thinking model (simulate/vllm/thinking_model.py) is served twice, with ``--r
 ``qwen3``, both with ``--enable-auto-tool-choice --tool-call-parser hermes``. Each transcript's chat is streamed
 once with ``return_token_ids`` (as the gateway asks for it, gateway/token_ids.py) and the same prompt's ids once on
 ``/v1/completions`` (the raw text, token by token, that the parsers split). The frames are recorded as facts the
-continuation is built on; then each stream is cut at points around its markers and elsewhere, continued by ids on
-``/v1/completions``, and the deltas gateway.reasoning makes of the continuation, after the ones vLLM sent before the
-cut, must add up to the message of the stream that was never cut.
+continuation is built on. Then each stream is cut at points around its markers and elsewhere and continued by ids on
+``/v1/completions``: the deltas gateway.reasoning makes of the continuation, after the ones vLLM sent before the cut,
+must add up to the message of the stream that was never cut, and be, chunk by chunk, those of vLLM's own replay of
+its parsers (``/v1/chat/completions/derender``, served with ``--enable-scale-out``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
 from tests.engines.test_reasoning_model import chat_body
 
 TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+SCALE_OUT = "--enable-scale-out"  # /v1/chat/completions/derender: vLLM's own replay of its parsers, compared with
 PARSERS = ("deepseek_r1", "qwen3")
 MAX_TOKENS = 600
 EOS = "<|im_end|>"
@@ -87,7 +89,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serve
         pytest.skip(str(error))
     log_dir = tmp_path_factory.mktemp("reasoning")
     servers = {
-        name: VllmServer(free_port(), model, log_dir / f"{name}.log", ("--reasoning-parser", name, *TOOLS))
+        name: VllmServer(free_port(), model, log_dir / f"{name}.log", ("--reasoning-parser", name, *TOOLS, SCALE_OUT))
         for name in PARSERS
     }
     try:
@@ -250,3 +252,59 @@ def test_a_cut_chat_continued_on_completions_adds_up_to_the_uncut_message(served
             assert reason == recorded.chat.finish_reasons[-1], (t.name, n)
             tried += 1
     assert tried >= 20
+
+
+def derendered(one: Served, t: Transcript, recorded: Recorded, n: int, follow: Streamed) -> list[Delta]:
+    """vLLM's own deltas for the continuation: each of its chunks through ``/v1/chat/completions/derender``, with
+    the state of a stream that generated ``recorded.ids[:n]`` in the chunks it was sent in (the client carries
+    it: vllm/entrypoints/scale_out/token_in_token_out/protocol.py, ``DerenderStreamState``)."""
+    sent, _ = before_cut(recorded, n)
+    state: dict[str, Any] = {
+        "output_token_ids": recorded.ids[:n],
+        "output_chunk_lens": [len(c["token_ids"]) for c in recorded.choices[: len(sent)]],
+        "role_sent": True,
+        "last_tool_call_ids": [c["id"] for d in sent for c in d.get("tool_calls") or () if "id" in c],
+    }
+    state["tools_streamed"] = bool(state["last_tool_call_ids"])
+    out = []
+    for chunk in follow.chunks:
+        choice = chunk["choices"][0]
+        generated = {"choices": [{k: choice[k] for k in ("index", "token_ids", "finish_reason")}]}
+        body = {
+            "stream": True,
+            "generate_chunk": generated,
+            "stream_state": state,
+            "prompt_token_ids": recorded.prompt_ids,
+            "chat_request": chat_body(t, return_token_ids=True),
+        }
+        answer = httpx.post(f"{one.server.url}/v1/chat/completions/derender", json=body, timeout=60).json()
+        state = answer["stream_state"]
+        out.append(answer["chunk"]["choices"][0]["delta"])
+    return out
+
+
+def set_fields(value: Any) -> Any:
+    """A delta without the fields at null: derender writes every field, the chat stream only those set."""
+    if isinstance(value, dict):
+        return {k: set_fields(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [set_fields(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_our_deltas_for_a_continuation_are_vllms_own_chunk_by_chunk(served: dict[str, Served], name: str) -> None:
+    one = served[name]
+    assert one.parsers.markers is not None
+    t = TRANSCRIPTS[-1]  # the end of reasoning, white space as content, then a call: every phase in few tokens
+    recorded = one.recorded[t.name]
+    n = recorded.ids.index(one.parsers.markers.think_end) - 2
+    follow = asyncio.run(_continue(one.server.url, recorded.prompt_ids + recorded.ids[:n], MAX_TOKENS - n))
+    ours, _ = continued(one.parsers, recorded.prompt_ids, before_cut(recorded, n)[1], pieces(follow))
+    theirs = [set_fields(d) for d in derendered(one, t, recorded, n, follow)]
+    mine = [set_fields(d or {}) for d in ours]
+    assert sum(1 for d in theirs for c in d.get("tool_calls") or () if "id" in c) == len(t.calls)
+    for delta in (*mine, *theirs):
+        for call in delta.get("tool_calls") or ():
+            call.pop("id", None)  # a call named after the cut gets a new id, both ways
+    assert mine == theirs
