@@ -47,7 +47,7 @@ class Node:
 
 
 @dataclass(frozen=True)
-class FakeRay:
+class FakeRayProcess:
     process: subprocess.Popen[bytes]
     http_port: int
     metrics_port: int
@@ -63,7 +63,7 @@ class FakeRay:
 
 
 @pytest.fixture(scope="module")
-def fake_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeRay]:
+def fake_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeRayProcess]:
     """``python -m simulate.fakes.ray`` with deploy/kuberay's export interval, as a process of its own."""
     http_port, metrics_port = free_port(), free_port()
     log = (tmp_path_factory.mktemp("fake-ray") / "ray.log").open("wb")
@@ -79,7 +79,7 @@ def fake_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeRay]:
                 assert process.poll() is None, "the fake Ray exited"
                 assert time.monotonic() < give_up, "the fake Ray did not serve its page within 20 s"
                 time.sleep(0.05)
-        yield FakeRay(process, http_port, metrics_port)
+        yield FakeRayProcess(process, http_port, metrics_port)
     finally:
         process.kill()
         process.wait()
@@ -89,7 +89,7 @@ def fake_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeRay]:
 @pytest.fixture(params=["real", "fake"])
 def node(request: pytest.FixtureRequest) -> Node:
     if request.param == "fake":
-        fake: FakeRay = request.getfixturevalue("fake_ray")
+        fake: FakeRayProcess = request.getfixturevalue("fake_ray")
         return fake.node
     ray: RayNode = request.getfixturevalue("ray_node")
     return Node("real", ray.http_port, ray.metrics_url, ray.url, lambda: asyncio.to_thread(ray.terminate))
@@ -110,7 +110,7 @@ def shapes(text: str) -> dict[str, tuple[str, str, tuple[str, ...]]]:
 
 
 async def test_the_fakes_page_has_reals_series_with_their_help_types_and_labels_before_and_after_a_request(
-    ray_node: RayNode, fake_ray: FakeRay
+    ray_node: RayNode, fake_ray: FakeRayProcess
 ) -> None:
     urls = (ray_node.metrics_url, fake_ray.node.metrics_url)
     before = [shapes(await page(url)) for url in urls]
