@@ -51,7 +51,8 @@ def vllm_servers(vllm_pool: list[VllmServer]) -> list[VllmServer]:
 @pytest.fixture(scope="module")
 def ray_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNode]:
     """A real Ray head node serving the streaming app, fresh for each module (one whose first test needs a node
-    that never served, and none left running beside the vLLM tests after); stopped with ``ray stop --force``."""
+    that never served, and none left running beside the vLLM tests after); stopped by SIGTERM to its ``ray start
+    --block``, as the kubelet stops a Ray container, unless a test did, then ``ray stop --force``."""
     reason = ray_available()
     if reason is not None:
         pytest.skip(reason)
