@@ -81,6 +81,8 @@ class EngineClient:
         keep-alive ones do not count); they are looked at only when ``wants_connections`` says a rule needs them.
         """
         loop = asyncio.get_running_loop()
+        # A page shows the engine as it was when asked, at the latest: the reading is timed then.
+        asked = loop.time()
         try:
             page = await self._page()
             engine = read_engine(page, self.spec)
@@ -91,7 +93,7 @@ class EngineClient:
             log.info("engine.read_recovered", after=self.last_error)
             self.last_error = None
         self.metrics.in_flight.set(engine.in_flight)
-        reading = Reading(at=loop.time(), in_flight=engine.in_flight, tokens=engine.tokens)
+        reading = Reading(at=asked, in_flight=engine.in_flight, tokens=engine.tokens)
         if wants_connections(reading):
             reading = replace(reading, connections=await self._connections())
         return reading
