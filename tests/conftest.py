@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import structlog
 from aiohttp import web
 
 from sidecar.engines import sum_samples
@@ -26,6 +27,15 @@ from tests.real_kube import RealKube
 
 # Either Kubernetes API a test can run against: the fake, or the real API server behind the same surface.
 Kube = FakeKube | RealKube
+
+
+@pytest.fixture(autouse=True)
+def structlog_defaults() -> Iterator[None]:
+    """Every test starts from structlog's defaults, which ``capture_logs`` sees through: a benchmark module imported
+    at collection (logs at warning and up) or a command run in-process configures it for the whole process."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()
 
 
 @asynccontextmanager
