@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -91,6 +92,9 @@ async def serve(server: Server, *, host: str, port: int, reuse_port: bool, ready
     try:
         bound = listening.sockets[0].getsockname()[1] if listening.sockets else port
         log.info("server.listening", server="api", host=host, port=bound)
+        # What the program made to start (modules, settings, the loop) lives as long as it does: the full
+        # collections that the streams' own objects set off need not walk it each time.
+        gc.freeze()
         if ready_flag is not None:
             ready_flag.set()
         await asyncio.Event().wait()
