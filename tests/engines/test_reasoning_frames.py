@@ -308,3 +308,39 @@ def test_our_deltas_for_a_continuation_are_vllms_own_chunk_by_chunk(served: dict
         for call in delta.get("tool_calls") or ():
             call.pop("id", None)  # a call named after the cut gets a new id, both ways
     assert mine == theirs
+
+
+async def _chat_from_ids(url: str, t: Transcript, ids: list[int], max_tokens: int) -> Streamed:
+    # vllm/renderers/online_renderer.py _reused_prompt_token_ids: disaggregated serving's ids skip the template.
+    body = chat_body(t, return_token_ids=True, max_tokens=max_tokens, kv_transfer_params={"prompt_token_ids": ids})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        return await read_stream(f"{url}/v1/chat/completions", body, session=session)
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_a_chat_given_its_ids_so_far_continues_through_vllms_parsers_except_inside_a_call(
+    served: dict[str, Served], name: str
+) -> None:
+    """``kv_transfer_params.prompt_token_ids`` on /v1/chat/completions: the parsers start afresh after the cut,
+    deciding the reasoning from the ids (``is_reasoning_end``), so reasoning and content continue right; a call
+    begun before the cut is lost, its rest comes as content, and the stream finishes ``stop``."""
+    one = served[name]
+    assert one.parsers.markers is not None
+    for t, inside_a_call in ((TRANSCRIPTS[0], False), (TRANSCRIPTS[3], True)):
+        recorded = one.recorded[t.name]
+        end = recorded.ids.index(one.parsers.markers.think_end)
+        n = len(recorded.ids) - 6 if inside_a_call else end // 2
+        sent, _ = before_cut(recorded, n)
+        prompt = recorded.prompt_ids + recorded.ids[:n]
+        follow = asyncio.run(_chat_from_ids(one.server.url, t, prompt, MAX_TOKENS - n))
+        assert follow.chunks[0]["prompt_token_ids"] == prompt
+        rest = [c["delta"] for chunk in follow.chunks for c in chunk.get("choices") or () if "token_ids" in c]
+        got, whole = assembled([*sent, *rest]), assembled(recorded.deltas)
+        assert got["reasoning"] == whole["reasoning"]
+        if inside_a_call:
+            assert got["tool_calls"] == assembled(sent)["tool_calls"] != whole["tool_calls"]  # only what was sent
+            assert got["content"].startswith(whole["content"])
+            assert got["content"].endswith("}}\n</tool_call>")
+            assert follow.finish_reasons == ["stop"]
+        else:
+            assert got == whole
