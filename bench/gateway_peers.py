@@ -6,11 +6,12 @@ One backend (bench/sse_source.py) serves every target: ``direct`` (the backend i
 and each peer bench/peer_routers.py could install. Three loads, each in rounds that interleave the targets (the order
 turns each round, so no target always runs on a machine its predecessor just warmed or loaded): 1 stream, 100
 streams at 50 chunks/s each, 500 at 20/s, started over one chunk interval; then the 100 and 500 again with the
-backend dropping one stream in ten halfway (``--break-every``), which the gateway continues on it, against the
-gateway and the direct streams alone (no router continues a stream). Clients run in processes of their own
-(bench/relay_client.py) and check every event byte for byte, a continued stream's too. A figure is the median over
-rounds; "added" is a target's percentile less the direct one of the same round. This is a shared 2-core machine: the
-load average at each round's start is in the details.
+backend dropping one stream in ten halfway (``--break-every``) of those that ask for token ids, the gateway's own,
+which it continues on the backend: no router continues a stream, and none asks for ids, so the routers' streams (and
+the direct ones) in those rounds are whole, measured beside the gateway's under the same load. Clients run in
+processes of their own (bench/relay_client.py) and check every event byte for byte, a continued stream's too. A
+figure is the median over rounds; "added" is a target's percentile less the direct one of the same round. This is a
+shared 2-core machine: the load average at each round's start is in the details.
 
 Targets (on 2 cores): CPU per chunk at 100 and at 500 streams at most the better router's, with streams continued
 or not; at 500 streams, with streams continued or not, p50 and p99 added at most the better router's, and p50 added
@@ -131,13 +132,13 @@ async def _peak(target: Target) -> None:
 
 
 async def play(workdir: Path, load: Load, peers: list[Peer]) -> list[Target]:
-    """The backend at ``load``'s pace, every target in front of it (the gateway's alone where the load breaks
+    """The backend at ``load``'s pace, every target in front of it (the floor left out where the load breaks
     streams), ``ROUNDS`` interleaved rounds."""
     backend_port = free_port()
     backend = f"http://127.0.0.1:{backend_port}"
     source = [sys.executable, "-m", "bench.sse_source", "--port", str(backend_port), "--interval", str(load.interval_s)]
     source += ["--break-every", str(load.break_every)]
-    others = [] if load.break_every else [floor(), *peers]
+    others = peers if load.break_every else [floor(), *peers]
     async with started(source, workdir / "backend.log", f"{backend}/health"):
         targets = [Target(DIRECT, f"{backend}/v1/completions", None)]
         await _with(workdir, load, [ours(), ours(workers=1), *others], backend, targets)

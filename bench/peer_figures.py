@@ -225,7 +225,8 @@ def _ratios(
 
 def _beside_routers(ours: Target, direct: Target, peers: list[Target], rounds: str) -> list[Result]:
     """At 500 streams, plain and with streams continued, and at 100 continued: CPU per chunk as a ratio to the better
-    router's at the same number of unbroken streams, and p50 and p99 added over the better router's (ms)."""
+    router's in the same rounds (where they ran: else at the same number of unbroken streams), and p50 and p99 added
+    over the better router's (ms)."""
     if not peers:
         return []
     out = []
@@ -234,15 +235,17 @@ def _beside_routers(ours: Target, direct: Target, peers: list[Target], rounds: s
             continue
         prefix = "gateway_peers_" + ("continued_" if load.break_every else "")
         streams = f"{load.streams}_streams"
-        cpu = {t.name: cpu_per_chunk_us(t, plain.name) or 0.0 for t in peers}
+        theirs_at = {t.name: load.name if load.name in t.runs else plain.name for t in peers}
+        cpu = {t.name: cpu_per_chunk_us(t, theirs_at[t.name]) or 0.0 for t in peers}
         best = min(peers, key=lambda t: cpu[t.name])
         mine = cpu_per_chunk_us(ours, load.name) or 0.0
-        detail = f"{mine:.1f} µs ({load.name}) against {best.name}'s {cpu[best.name]:.1f} ({plain.name}); {rounds}"
+        detail = f"{mine:.1f} µs ({load.name}) against {best.name}'s {cpu[best.name]:.1f} ({theirs_at[best.name]})"
+        detail += f"; {rounds}"
         out.append(_at_most(f"{prefix}cpu_per_chunk_ratio_{streams}", mine / cpu[best.name], "x", 1.0, detail))
         if load.streams != LOADS[2].streams:
             continue
         for q, label in ((0.5, "p50"), (0.99, "p99")):
-            theirs = {t.name: added(t, direct, plain.name, q) for t in peers}
+            theirs = {t.name: _added_beside(t, direct, theirs_at[t.name], plain.name, q) for t in peers}
             best_name = min(theirs, key=lambda name: theirs[name])
             mine = _added_beside(ours, direct, load.name, plain.name, q)
             detail = f"{mine:.2f} ms added ({load.name}) against {best_name}'s {theirs[best_name]:.2f}; {rounds}"
