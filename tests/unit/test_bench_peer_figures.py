@@ -17,13 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 FIGURES = """
 import json
 from dataclasses import asdict
-from bench.peer_figures import LOADS, Run, Target, added, results
+from bench.peer_figures import CONTINUED, LOADS, Run, Target, added, results
 from bench.peer_routers import Missing
 
 def target(name, per_round_ms, *, cpu_s=0.1, exact=True):
     runs = [Run([ms] * 100, 1, int(exact), [] if exact else ["event 3"], cpu_s, 1.0) for ms in per_round_ms]
     measured = Target(name, "http://127.0.0.1:1", None if cpu_s is None else 1, 40.0, 45.0, 20.0)
     measured.runs = {load.name: list(runs) for load in LOADS}
+    return measured
+
+def continued(name, per_round_ms, *, cpu_s, continued_cpu_s):
+    measured = target(name, per_round_ms, cpu_s=cpu_s)
+    runs = [Run([ms] * 100, 1, 1, [], continued_cpu_s, 1.0) for ms in per_round_ms]
+    measured.runs |= {load.name: list(runs) for load in CONTINUED}
     return measured
 
 def named(figures):
@@ -58,6 +64,20 @@ out = {
             ours="ours",
             peers=["slow router", "fast router"],
             floor="floor",
+            rounds=2,
+        )
+    ),
+    "continued": named(
+        results(
+            [
+                continued("direct", [1.0, 1.0], cpu_s=None, continued_cpu_s=None),
+                continued("ours", [3.0, 3.0], cpu_s=0.2, continued_cpu_s=0.3),
+                continued("router", [2.0, 2.0], cpu_s=0.1, continued_cpu_s=0.2),
+            ],
+            [],
+            ours="ours",
+            peers=["router"],
+            floor=None,
             rounds=2,
         )
     ),
@@ -107,3 +127,14 @@ def test_the_python_floor_is_given_beside_the_cpu_ratio_and_never_taken_for_a_pe
     cpu = figures["peers"][RATIOS[0]]
     assert "against fast router" in cpu["detail"]
     assert "floor 2.00 times as much" in cpu["detail"]
+
+
+def test_continued_loads_are_set_beside_the_routers_figures_of_the_same_rounds(figures: dict[str, Any]) -> None:
+    """The routers relay whole streams in the continued loads' rounds: the ratio is to what they cost there."""
+    cpu = figures["continued"]["gateway_peers_continued_cpu_per_chunk_ratio_500_streams"]
+    assert (cpu["value"], cpu["passed"]) == (1.5, False)
+    assert "against router's" in cpu["detail"]
+    p50 = figures["continued"]["gateway_peers_continued_p50_added_500_streams_over_router"]
+    assert (p50["value"], p50["passed"]) == (1.0, False)  # 2.0 ms added against the router's 1.0
+    plain = figures["continued"]["gateway_peers_cpu_per_chunk_ratio_500_streams"]
+    assert (plain["value"], plain["passed"]) == (2.0, False)
