@@ -35,6 +35,8 @@ _SHARED = bytearray(256 * 1024)  # every read of the process goes here first: re
 _VIEW = memoryview(_SHARED)
 MAX_HEAD_BYTES = 64 * 1024
 _DECIMAL = re.compile(r"[0-9]{1,18}")  # str.isdigit() would take "²", which int() does not
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size without extensions: int() would take "-5", "0x5" or "1_0"
+_LINE_HELD_BYTES = 64  # a chunk size line cut by a read, kept for the next; longer is the framing's to refuse
 HELD_MAX_BYTES = 128 * 1024  # read but not yet relayed, before the backend's socket is read no more
 # Set by the caller on the whole request, not per read; what the framing says, when it cannot be read.
 _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encoding")
@@ -314,9 +316,13 @@ class Answer:
 
 
 class _Delivery:
-    """A body handed to a consumer from the read callbacks (``Answer.deliver``)."""
+    """A body handed to a consumer from the read callbacks (``Answer.deliver``).
 
-    __slots__ = ("asked", "failed", "framing", "protocol", "take")
+    A chunked body's reads are mostly whole chunks (a streaming server writes each event as one): those are cut here,
+    straight from the read's buffer, one copy of their data and no more; the framing's dechunker takes only what
+    does not start at a chunk's start, and, from the chunk's size, it is known where it is back at one."""
+
+    __slots__ = ("asked", "failed", "framing", "left", "line", "protocol", "take")
 
     def __init__(self, protocol: _Protocol, take: Callable[[bytes], bool], framing: Framing) -> None:
         self.protocol = protocol
@@ -324,26 +330,80 @@ class _Delivery:
         self.framing = framing
         self.asked = False  # the consumer asked to stop for now
         self.failed: Exception | None = None
+        # Bytes the framing has yet to take before the next chunk starts: 0 at a chunk's start; -1 where it is not
+        # known (a body not chunked, a chunk size with extensions, the last chunk), and the framing takes every byte.
+        self.left = 0 if framing.dechunker is not None else -1
+        self.line = b""  # the start of a chunk size line that the last read cut
 
     @property
     def stops(self) -> bool:
         return self.asked or self.framing.done or self.failed is not None
 
     def feed(self, view: memoryview) -> None:
-        if self.stops:  # read before the pause took: kept for the next delivery
-            self.protocol.blocks.append(bytes(view))
-        else:
-            self.piece(bytes(view))
+        if self.asked or self.failed is not None or self.framing.done:  # read before the pause took
+            self.protocol.blocks.append(bytes(view))  # kept for the next delivery
+            return
+        if self.left == 0 and not self.line:  # the read, if it is one whole chunk, by its size: no search, no parse
+            end = len(view)
+            size = end - 4 - len(b"%x" % (end - 4))
+            head = b"%x\r\n" % size
+            if size > 0 and len(head) + size + 2 == end and _SHARED.startswith(head):
+                self.give(bytes(_VIEW[len(head) : end - 2]))
+                return
+        self.deliver(_SHARED, view)
 
     def piece(self, block: bytes) -> None:
+        self.deliver(block, memoryview(block))
+
+    def deliver(self, data: bytes | bytearray, view: memoryview) -> None:
+        """Hand the body's bytes in ``view`` (``data``'s first bytes) to the consumer."""
         try:
-            if data := self.framing.unframe(block):
-                self.asked = self.take(data)
+            body = self.unframe(data, view)
         except Exception as error:  # raised to the reader, not into the event loop's transport
             self.failed = error
-        if self.stops:
+            body = b""
+        self.give(body)
+
+    def give(self, body: bytes) -> None:
+        if body:
+            try:
+                self.asked = self.take(body)
+            except Exception as error:  # raised to the reader, not into the event loop's transport
+                self.failed = error
+        if self.asked or self.failed is not None or self.framing.done:
             self.protocol.pause()
             self.protocol.wake()
+
+    def unframe(self, data: bytes | bytearray, view: memoryview) -> bytes:
+        """The body's bytes in ``view``, in one piece; raises BadAnswer where the framing is broken."""
+        left, end = self.left, len(view)
+        if left < 0:
+            return self.framing.unframe(bytes(view))
+        out: list[bytes | memoryview] = []
+        at = 0
+        if left > 0:  # the rest of a chunk the framing began
+            at = min(left, end)
+            out.append(self.framing.unframe(bytes(view[:at])))
+            self.left = left - at
+        elif self.line:
+            data = self.line + bytes(view)
+            view, end, self.line = memoryview(data), len(data), b""
+        while at < end and self.left == 0:
+            line_end = data.find(b"\r\n", at, end)
+            if line_end < 0 and end - at < _LINE_HELD_BYTES:
+                self.line = bytes(view[at:end])
+                break
+            size = int(data[at:line_end], 16) if line_end > at and _HEX.fullmatch(data, at, line_end) else 0
+            stop = line_end + size + 4
+            if size == 0 or stop > end:  # the last chunk, extensions, a broken size, or a chunk the read cut
+                out.append(self.framing.unframe(bytes(view[at:end])))
+                self.left = stop - end if size else -1
+                break
+            out.append(view[line_end + 2 : stop - 2])  # its CRLF not checked, as the framing does not
+            at = stop
+        if len(out) == 1:
+            return bytes(out[0])
+        return b"".join(out)
 
 
 def request_bytes(

@@ -103,6 +103,75 @@ async def test_interim_answers_are_passed_over_for_the_final_one() -> None:
     assert (answer.status, "Link" in answer.headers) == (200, False)
 
 
+async def delivered_read_by_read(head: bytes, reads: list[bytes], *, stop_every: int) -> bytes:
+    """The body through ``deliver``, each of ``reads`` one read of the socket as asyncio's transport makes it (a
+    BufferedProtocol's ``get_buffer``, the bytes received into it, ``buffer_updated``: docs.python.org/3/library/
+    asyncio-protocol.html#buffered-streaming-protocols), then the close; the taker asks to stop after every
+    ``stop_every``-th piece, and a read that comes before the stop takes is kept, as the transport pauses only then."""
+    protocol = http1._Protocol()
+    protocol.blocks.append(head)
+    answer = http1.Answer(protocol, "http://127.0.0.1:1")
+    await answer._read_head()
+    pieces: list[bytes] = []
+
+    def take(data: bytes) -> bool:
+        pieces.append(data)
+        return len(pieces) % stop_every == 0
+
+    left = iter(reads)
+    while True:
+        delivery = asyncio.ensure_future(answer.deliver(take))
+        await asyncio.sleep(0)
+        while not delivery.done():
+            if (read := next(left, None)) is None:
+                protocol.connection_lost(None)
+            else:
+                protocol.get_buffer(len(read))[: len(read)] = read
+                protocol.buffer_updated(len(read))
+            await asyncio.sleep(0)
+        if not delivery.result():
+            return b"".join(pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(st.binary(min_size=1, max_size=300), max_size=12),
+    size_format=st.sampled_from([b"%x", b"%X", b"0%x", b"%x;ext=1"]),
+    whole=st.lists(st.integers(0, 100)),
+    cuts=st.lists(st.integers(0, 10_000), max_size=3),
+    stop_every=st.sampled_from([1, 2, 1_000_000]),
+)
+async def test_a_chunked_body_read_by_read_comes_out_whole_with_reads_of_whole_chunks_or_not(
+    events: list[bytes], size_format: bytes, whole: list[int], cuts: list[int], stop_every: int
+) -> None:
+    chunks = [size_format % len(event) + b"\r\n" + event + b"\r\n" for event in events] + [b"0\r\n\r\n"]
+    wire = b"".join(chunks)
+    starts = list(itertools.accumulate(len(chunk) for chunk in chunks))
+    reads = split(wire, [starts[at % len(starts)] for at in whole] + cuts)  # mostly whole chunks, some cut
+    head = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+    assert await delivered_read_by_read(head, reads, stop_every=stop_every) == b"".join(events)
+
+
+@pytest.mark.parametrize(
+    ("reads", "raised"),
+    [
+        ([b"5\r\nhello\r\n", b"5\r\nhel"], ConnectionResetError),  # a whole chunk, then one the close cuts
+        ([b"5\r\nhello\r\n", b"5"], ConnectionResetError),  # a size line the close cuts
+        ([b"5\r\nhello\r\n", b"5\r\nhello\r\n"], ConnectionResetError),  # whole chunks, and no last one
+        ([b"5\r\nhello\r\n", b"0x5\r\nhello\r\n"], http1.BadAnswer),  # a size int() would take
+        ([b"5\r\nhello\r\n", b"5_0\r\n" + b"x" * 80 + b"\r\n"], http1.BadAnswer),
+        ([b"5\r\nhello\r\n", b"zz\r\nhello\r\n"], http1.BadAnswer),
+        ([b"5\r\nhello\r\n5\r\nhello\r\n" + b"z" * 100 + b"\r\n"], http1.BadAnswer),  # a long size line
+    ],
+)
+async def test_a_chunked_body_read_by_read_that_is_cut_or_broken_is_a_reset_or_a_bad_answer(
+    reads: list[bytes], raised: type[Exception]
+) -> None:
+    head = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+    with pytest.raises(raised):
+        await delivered_read_by_read(head, reads, stop_every=1)
+
+
 @pytest.mark.parametrize(
     "wire",
     [
