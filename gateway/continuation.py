@@ -24,6 +24,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.parsed import parser_refusal, skips_special_tokens
+from gateway.settings import NO_PARSERS, ParserSettings
 from gateway.splice import Splicer
 
 COMPLETIONS = "/v1/completions"
@@ -80,6 +82,7 @@ REASONS = (
     "guided",
     "tool_call",
     "reasoning",
+    "reasoning_hidden",
     "too_long",
     "unsupported_prompt",
     "limit",
@@ -105,19 +108,38 @@ def refusal_at_start(body: dict[str, Any], *, chat: bool) -> str | None:
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") in ("json_schema", "json_object"):
         return "guided"
+    # vLLM decodes a required or named tool call with a JSON schema (serving.py, _get_json_schema_from_tool)
+    if (
+        chat
+        and body.get("tools")
+        and (body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict))
+    ):
+        return "guided"
     return None
 
 
-def refusal(body: dict[str, Any], splicer: Splicer, *, chat: bool, max_tokens: int) -> str | None:
-    """Why this stream, as far as it got, cannot continue on another backend (None: it can)."""
+def refusal(
+    body: dict[str, Any],
+    splicer: Splicer,
+    *,
+    chat: bool,
+    max_tokens: int,
+    parsers: ParserSettings = NO_PARSERS,
+) -> str | None:
+    """Why this stream, as far as it got, cannot continue on another backend (None: it can).
+
+    A chat the engine split into reasoning and content, or into tool calls, continues only where the gateway knows
+    the parsers and can replay them (gateway.parsed)."""
     if (reason := refusal_at_start(body, chat=chat)) is not None:
         return reason
     if splicer.multiple_choices:
         return "multiple_choices"
-    if splicer.tool_call:
-        return "tool_call"
-    if splicer.reasoning:  # the engine split the text into reasoning and content: the raw text is not known
-        return "reasoning"
+    if chat and (reason := parser_refusal(body, parsers, reasoning=splicer.reasoning, tools=splicer.tool_call)):
+        return reason
+    if chat and (splicer.reasoning or splicer.tool_call) and not by_ids(body, splicer, chat=True):
+        return "tool_call" if splicer.tool_call else "reasoning"  # by text, only the content would go on
+    if not chat and (splicer.tool_call or splicer.reasoning):
+        return "tool_call" if splicer.tool_call else "reasoning"
     if splicer.tokens > max_tokens:
         return "too_long"
     if not chat and _prompt_ids(body, splicer) is None and not isinstance(_single_prompt(body), str):
@@ -168,7 +190,13 @@ def by_ids(body: dict[str, Any], splicer: Splicer, *, chat: bool) -> bool:
 
 
 def continuation(
-    body: dict[str, Any], splicer: Splicer, *, chat: bool, path: str, context_len: int | None = None
+    body: dict[str, Any],
+    splicer: Splicer,
+    *,
+    chat: bool,
+    path: str,
+    context_len: int | None = None,
+    parsers: ParserSettings = NO_PARSERS,
 ) -> Continuation:
     """The request that continues ``body`` (sent to ``path``) after what the client already received.
 
@@ -190,7 +218,10 @@ def continuation(
         left = context_len - len(prompt)
     if left is None:
         return Continuation(path, _by_text(body, splicer, chat=True), "text")
-    return Continuation(COMPLETIONS, _chat_by_ids(body, prompt, left=left, min_tokens=resume), "token_ids")
+    follow = _chat_by_ids(body, prompt, left=left, min_tokens=resume)
+    if not skips_special_tokens(body, parsers):  # the chat's own text held them: the replay reads it
+        follow["skip_special_tokens"] = False
+    return Continuation(COMPLETIONS, follow, "token_ids")
 
 
 def _chat_by_ids(body: dict[str, Any], prompt: list[int], *, left: int, min_tokens: int) -> dict[str, Any]:

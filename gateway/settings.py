@@ -33,6 +33,18 @@ class MigrationSettings:
 
 
 @dataclass(frozen=True)
+class ParserSettings:
+    """The parsers the backends split chats with, as their ``--reasoning-parser`` and ``--tool-call-parser`` say
+    (None: not served with one). The gateway continues a parsed chat only where it can replay the parser."""
+
+    reasoning: str | None
+    tools: str | None
+
+
+NO_PARSERS = ParserSettings(None, None)
+
+
+@dataclass(frozen=True)
 class TimeoutSettings:
     connect_s: float
     read_s: float  # longest silence from a backend, or a client not reading, before it counts as gone
@@ -64,6 +76,7 @@ class GatewaySettings:
     service: ServiceSettings | None  # backends from this Service's EndpointSlices instead
     ready_urls: tuple[str, ...]  # one per backend, or none: then each backend's own /health
     migration: MigrationSettings
+    parsers: ParserSettings
     timeouts: TimeoutSettings
     host: str
     port: int
@@ -119,6 +132,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         convert=seconds,
         default=30.0,
         help="with --service: seconds each watch asks the API server to run (timeoutSeconds) before it resumes",
+    )
+    add_flag(
+        parser,
+        "--reasoning-parser",
+        help="the backends' own --reasoning-parser (deepseek_r1 and qwen3 streams continue; others are cut)",
+    )
+    add_flag(
+        parser,
+        "--tool-call-parser",
+        help="the backends' own --tool-call-parser, with --enable-auto-tool-choice (hermes continues; others are cut)",
     )
     add_flag(parser, "--host", default="0.0.0.0", help="address for the API and /metrics")
     add_flag(parser, "--port", convert=port, default=8000, help="port of the OpenAI-compatible API")
@@ -197,6 +220,7 @@ def from_arguments(args: argparse.Namespace) -> GatewaySettings:
             max_tokens=args.migration_max_tokens,
             mark_splices=args.mark_splices,
         ),
+        parsers=ParserSettings(reasoning=args.reasoning_parser or None, tools=args.tool_call_parser or None),
         timeouts=TimeoutSettings(
             connect_s=args.connect_timeout,
             read_s=args.read_timeout,

@@ -4,9 +4,10 @@ The splicer reads each backend event once and decides what the client gets: the 
 came (bytes untouched, but for the token ids the gateway asked for itself, nulled), a continuation's chunks rewritten
 to the first backend's ``id``, ``created`` and ``model`` (and to the chat's shape when a chat continues on
 ``/v1/completions``), one chat role delta, exactly one ``finish_reason``, and, at the end, one usage chunk and one
-``data: [DONE]`` that the gateway writes itself. It also keeps what a continuation needs: the text so far, the token
-count, the token ids where the backend returned them (vLLM's ``return_token_ids``) and whether a tool call has
-started.
+``data: [DONE]`` that the gateway writes itself; a chat the engine parses (reasoning, tool calls) that continues on
+``/v1/completions`` gets its parsers' deltas there (gateway.parsed). It also keeps what a continuation needs: the
+text so far, the token count, the token ids where the backend returned them (vLLM's ``return_token_ids``) and
+whether a tool call has started.
 
 Every id is a token, empty text or not: vLLM streams a token that ends inside a multi-byte character as a chunk with
 empty text, and the character comes with a later token. A prompt that ends inside a character makes vLLM echo the
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.chunk_shape import Shape, hidden, learn
+from gateway.parsed import Replayed
 from gateway.reshape import as_chat
 from gateway.token_ids import hide, hide_in
 
@@ -103,6 +105,7 @@ class Splicer:
     raw_usage: bytes | None = None
     shapes: bool = True  # read the first backend's plain token chunks by their shape (False: parse every one)
     shape: Shape | None = None  # of the first backend's plain token chunks, once learned
+    replayed: Replayed | None = None  # a parsed chat continued on /v1/completions: its text through the parsers
 
     @property
     def finished(self) -> bool:
@@ -126,6 +129,7 @@ class Splicer:
         self.source_chat = source_chat
         self.tokens_before_segment = self.tokens
         self.backend_usage = self.raw_usage = None
+        self.replayed = None
 
     def rewind(self) -> None:
         """The continuation goes on by ids from ``resume_ids``: the tokens after it come again."""
@@ -175,6 +179,8 @@ class Splicer:
         piece, dropped = self._piece(chunk, choice)
         if piece is None:
             return Step(end=Broken("garbage", "a choice without text"))
+        if self.replayed is not None and not self.from_chat:
+            return self._replayed(self.replayed, chunk, choice, piece)
         finish = choice.get("finish_reason")
         if self.prompt_token_ids is None and not self.continuing:
             self._note_prompt_ids(chunk, choice)
@@ -198,6 +204,24 @@ class Splicer:
         if self.shapes and self.shape is None and not self.segment and self.tokens <= LEARN_WITHIN_TOKENS:
             self.shape = learn(data, choice, chat=self.chat)
         return Step(out=self._relay(chunk, data))
+
+    def _replayed(self, replayed: Replayed, chunk: dict[str, Any], choice: dict[str, Any], piece: str) -> Step:
+        """A parsed chat's continuation chunk, with the delta and finish its parsers would have given its text."""
+        finish = choice.get("finish_reason")
+        aborted = finish in ("abort", "error")
+        if aborted:
+            choice["finish_reason"] = None
+        elif finish is not None:
+            self.finish_reason = str(finish)
+        chat = as_chat(chunk, top_logprobs=self.top_logprobs)
+        repeated = self._count(chat["choices"][0].get("token_ids"), piece)
+        keep = replayed.chunk(chat["choices"][0], repeated=repeated, with_ids=not self.hide_ids)
+        relayed = self._rewritten(chat) if keep else b""
+        if aborted:
+            return Step(
+                out=relayed, end=Broken("abort" if finish == "abort" else "error_event", f"finish_reason {finish}")
+            )
+        return Step(out=relayed)
 
     def by_shape(self, event: bytes) -> bytes | None:
         """What to relay of ``event`` (``data:`` line and blank line), a plain token chunk of the first backend, read
@@ -308,6 +332,11 @@ class Splicer:
         assert self.identity is not None
         if self.chat and not self.from_chat:
             chunk = as_chat(chunk, top_logprobs=self.top_logprobs)
+        return self._rewritten(chunk)
+
+    def _rewritten(self, chunk: dict[str, Any]) -> bytes:
+        """A continuation's chunk, in the client's shape already, as the first backend's stream."""
+        assert self.identity is not None
         chunk.update(self.identity)
         usage = chunk.get("usage")
         if isinstance(usage, dict) and self.tokens_before_segment:  # continuous_usage_stats, relative to this backend
@@ -345,9 +374,10 @@ class Splicer:
             return b"data: " + self.raw_usage + b"\n\n" + DONE
         return sse({**self.identity, "object": self._object, "choices": [], "usage": self.usage()}) + DONE
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """``prompt_tokens`` of the original request; ``completion_tokens`` for every token the client received."""
-        return self._whole_usage(self.backend_usage or {})
+        usage = self._whole_usage(self.backend_usage or {})
+        return usage if self.replayed is None else self.replayed.usage(usage)
 
     def _whole_usage(self, reported: dict[str, Any]) -> dict[str, int]:
         """A continuation's usage as the client's whole stream: its prompt held the original prompt plus the tokens

@@ -18,14 +18,16 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover, Pool, context_length
-from gateway.continuation import continuation, refusal, refusal_at_start, remaining_tokens
+from gateway.continuation import by_ids, continuation, refusal, refusal_at_start, remaining_tokens
 from gateway.metrics import GatewayMetrics
+from gateway.parsed import Replayed, chat_parsers, supported
 from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
 from gateway.request import Request
 from gateway.server import Connection
 from gateway.settings import GatewaySettings
 from gateway.splice import Broken, End, Finished, Splicer, error_event
 from gateway.token_ids import FIELD, asked, refuses_ids, with_ids
+from gateway.vocabulary import generated, markers
 
 log = structlog.get_logger()
 
@@ -126,13 +128,18 @@ class _Run:
             if backend is None:
                 return await self._cut("no_backend", self.broken)
             request = await self._request(backend, original)
+            if request is None:
+                return await self._cut("reasoning" if self.splicer.reasoning else "tool_call", self.broken)
             if self.broken is not None:
                 self._continued(*self.broken, to=backend.url, method=request.method)
             end = await self._send(backend, request, comment)
             if isinstance(end, Rejected) and request.asks_ids and refuses_ids(end.status, end.body):
                 backend.token_ids = False  # it does not take the field: ask it without, now and from now on
                 log.info("backend.no_token_ids", backend=backend.url, status=end.status)
-                end = await self._send(backend, await self._request(backend, original), comment)
+                again = await self._request(backend, original)
+                if again is None:
+                    return await self._cut("reasoning" if self.splicer.reasoning else "tool_call", self.broken)
+                end = await self._send(backend, again, comment)
             if isinstance(end, Rejected):
                 if not self.client.started:
                     return web.Response(status=end.status, body=end.body, headers=end.headers), "rejected"
@@ -170,9 +177,9 @@ class _Run:
             end = Broken(mover.cause, details.get(mover.cause, "silent, going away"))
         return end
 
-    async def _request(self, backend: Backend, original: bytes) -> _Request:
+    async def _request(self, backend: Backend, original: bytes) -> _Request | None:
         """What to send ``backend``: the client's request (asking for token ids where it did not and the backend
-        takes them), or the continuation of what the client has."""
+        takes them), or the continuation of what the client has; None where a parsed chat cannot go on there."""
         if self.broken is None or self.restart:
             self.splicer.source_chat = None
             method = "restart" if self.broken is not None else ""
@@ -186,7 +193,16 @@ class _Run:
             context_len = await context_length(
                 self.gateway.session, backend, model=self.body.get("model"), timeout_s=timeout_s
             )
-        plan = continuation(self.body, self.splicer, chat=self.chat, path=self.path, context_len=context_len)
+        parsers = self.gateway.settings.parsers
+        if self.chat and supported(parsers) and by_ids(self.body, self.splicer, chat=True):
+            self.splicer.replayed = await self._replayed(backend)
+            if self.splicer.replayed is None:
+                return None
+        plan = continuation(
+            self.body, self.splicer, chat=self.chat, path=self.path, context_len=context_len, parsers=parsers
+        )
+        if self.splicer.replayed is not None and plan.method != "token_ids":
+            return None  # a parsed chat continues by its ids or not at all
         if plan.method == "token_ids":
             self.splicer.rewind()
         self.splicer.source_chat = plan.chat
@@ -197,6 +213,28 @@ class _Run:
         headers = forwarded(self.request.headers)
         headers["Content-Type"] = "application/json"
         return _Request(plan.path, json.dumps(body).encode(), headers, plan.method, asks_ids=FIELD in body)
+
+    async def _replayed(self, backend: Backend) -> Replayed | None:
+        """The parsers' replay of a chat, fed what it generated up to the last whole character (vLLM's /detokenize on
+        ``backend``), where its continuation then starts; None where ``backend`` cannot say."""
+        splicer, parsers = self.splicer, self.gateway.settings.parsers
+        assert splicer.token_ids is not None
+        assert splicer.prompt_token_ids is not None
+        session, model, timeout_s = (
+            self.gateway.session,
+            self.body.get("model"),
+            self.gateway.settings.timeouts.connect_s,
+        )
+        ids = splicer.token_ids[: splicer.tokens]
+        piece = await generated(session, backend.url, ids, model=model, timeout_s=timeout_s)
+        marks = None
+        if parsers.reasoning is not None:
+            marks = await markers(session, backend.url, model=model, timeout_s=timeout_s)
+        if piece is None or (parsers.reasoning is not None and marks is None):
+            log.warning("gateway.no_replay", backend=backend.url, reasoning_parser=parsers.reasoning)
+            return None
+        splicer.resume_ids, splicer.resume_text = len(piece.ids), len(splicer.text)
+        return Replayed.after(chat_parsers(self.body, parsers, marks), splicer.prompt_token_ids, piece)
 
     async def _end_after_break(self, broken: tuple[str, Broken]) -> tuple[web.Response | None, str] | None:
         """How the stream ends now that its backend broke, or None when it may continue."""
@@ -214,7 +252,8 @@ class _Run:
         if self.splicer.shown == 0 and not self.splicer.multiple_choices:
             return None  # nothing generated reached the client: any request may start over
         max_tokens = self.gateway.settings.migration.max_tokens
-        return refusal(self.body, self.splicer, chat=self.chat, max_tokens=max_tokens)
+        parsers = self.gateway.settings.parsers
+        return refusal(self.body, self.splicer, chat=self.chat, max_tokens=max_tokens, parsers=parsers)
 
     def _continued(self, backend: str, end: Broken, *, to: str, method: str) -> None:
         """Count and log one continuation: one line each, with where the stream was and where it goes."""
