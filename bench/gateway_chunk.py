@@ -6,10 +6,16 @@ before the shape). Completions and chat, the gateway hiding the token ids it ask
 CPU time (``time.process_time``) over many reads, the two paths interleaved in rounds, the median kept; the write is
 a recorded call (what gateway.server.Connection.send is handed), so system calls are not counted: bench/gateway_peers
 measures the whole. Target: the shape's path at most 0.6 times the parse's.
+
+And the backend's reader before it (spotdrain/http1.py, ``Answer.deliver``), fed as asyncio's transport feeds it (the
+read received into the protocol's buffer, then ``buffer_updated``): a read that is one whole chunk, cut by its size,
+against the same chunk with a size extension, which the framing's dechunker takes. Target: at most 0.8 times.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import statistics
 import time
 
@@ -18,8 +24,10 @@ from bench.sse_source import chunk
 from gateway.backends import Mover
 from gateway.relay import ClientStream, _Events
 from gateway.splice import Splicer
+from spotdrain import http1
 
 RATIO_TARGET = 0.6
+READER_RATIO_TARGET = 0.8
 READS = 20_000
 ROUNDS = 5
 _CHAT_HEAD = b'"object":"chat.completion.chunk"'
@@ -54,8 +62,40 @@ def per_read_us(*, chat: bool, shapes: bool) -> float:
     return (time.process_time() - started) / READS * 1e6
 
 
+async def reader_us(read: bytes) -> float:
+    """CPU microseconds per read of the backend's reader for ``read``, a chunked body's read, over ``READS`` reads."""
+    protocol = http1._Protocol()
+    protocol.blocks.append(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    answer = http1.Answer(protocol, "http://127.0.0.1:1")
+    await answer._read_head()
+    delivery = asyncio.ensure_future(answer.deliver(lambda data: False))
+    await asyncio.sleep(0)
+    size = len(read)
+    started = time.process_time()
+    for _ in range(READS):
+        protocol.get_buffer(size)[:size] = read
+        protocol.buffer_updated(size)
+    spent = time.process_time() - started
+    delivery.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await delivery
+    return spent / READS * 1e6
+
+
+async def reader() -> Result:
+    event = _read(1, chat=False)
+    reads = {"whole": b"%x\r\n%b\r\n" % (len(event), event), "framing": b"%x;e=1\r\n%b\r\n" % (len(event), event)}
+    runs: dict[str, list[float]] = {kind: [] for kind in reads}
+    for _ in range(ROUNDS):
+        for kind, read in reads.items():
+            runs[kind].append(await reader_us(read))
+    whole, framing = statistics.median(runs["whole"]), statistics.median(runs["framing"])
+    detail = f"{whole:.2f} µs a whole chunk's read, {framing:.2f} through the framing; median of {ROUNDS} rounds"
+    return Result.below("gateway_chunk_reader_ratio", whole / framing, "x", READER_RATIO_TARGET, detail)
+
+
 async def measure() -> list[Result]:
-    out = []
+    out = [await reader()]
     for chat in (False, True):
         runs: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(ROUNDS):
@@ -69,6 +109,4 @@ async def measure() -> list[Result]:
 
 
 if __name__ == "__main__":
-    import asyncio
-
     report(asyncio.run(measure()))
