@@ -30,13 +30,10 @@ from multidict import CIMultiDict
 
 from spotdrain.framing import BadAnswer as BadAnswer  # raised to the callers of this module's readers
 from spotdrain.framing import Framing
+from spotdrain.http1_delivery import VIEW, Delivery
 
-_SHARED = bytearray(256 * 1024)  # every read of the process goes here first: reads are one after another
-_VIEW = memoryview(_SHARED)
 MAX_HEAD_BYTES = 64 * 1024
 _DECIMAL = re.compile(r"[0-9]{1,18}")  # str.isdigit() would take "²", which int() does not
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size without extensions: int() would take "-5", "0x5" or "1_0"
-_LINE_HELD_BYTES = 64  # a chunk size line cut by a read, kept for the next; longer is the framing's to refuse
 HELD_MAX_BYTES = 128 * 1024  # read but not yet relayed, before the backend's socket is read no more
 # Set by the caller on the whole request, not per read; what the framing says, when it cannot be read.
 _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encoding")
@@ -57,13 +54,13 @@ class _Protocol(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, without being asyncio's class
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return _VIEW
+        return VIEW
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.sink is not None:
-            self.sink(_VIEW[:nbytes])  # it wakes the reader itself, once it has had all it wants
+            self.sink(VIEW[:nbytes])  # it wakes the reader itself, once it has had all it wants
             return
-        self.blocks.append(bytes(_VIEW[:nbytes]))
+        self.blocks.append(bytes(VIEW[:nbytes]))
         self.held += nbytes
         if self.held > HELD_MAX_BYTES:
             self.pause()  # the reader reads slower than the server writes: let the kernel hold the rest
@@ -135,7 +132,7 @@ class Answer:
         self._rest = b""  # body bytes read with the head
         self._chunked = False
         self._length: int | None = None
-        self._delivery: _Delivery | None = None
+        self._delivery: Delivery | None = None
 
     @property
     def length(self) -> int | None:
@@ -234,7 +231,7 @@ class Answer:
         """
         protocol = self._protocol
         if self._delivery is None:
-            self._delivery = _Delivery(protocol, take, Framing(chunked=self._chunked, length=self._length))
+            self._delivery = Delivery(protocol, take, Framing(chunked=self._chunked, length=self._length))
         delivery = self._delivery
         delivery.take = take
         delivery.asked = False
@@ -313,97 +310,6 @@ class Answer:
             protocol.sink = None
         if failed is not None:
             raise failed
-
-
-class _Delivery:
-    """A body handed to a consumer from the read callbacks (``Answer.deliver``).
-
-    A chunked body's reads are mostly whole chunks (a streaming server writes each event as one): those are cut here,
-    straight from the read's buffer, one copy of their data and no more; the framing's dechunker takes only what
-    does not start at a chunk's start, and, from the chunk's size, it is known where it is back at one."""
-
-    __slots__ = ("asked", "failed", "framing", "left", "line", "protocol", "take")
-
-    def __init__(self, protocol: _Protocol, take: Callable[[bytes], bool], framing: Framing) -> None:
-        self.protocol = protocol
-        self.take = take
-        self.framing = framing
-        self.asked = False  # the consumer asked to stop for now
-        self.failed: Exception | None = None
-        # Bytes the framing has yet to take before the next chunk starts: 0 at a chunk's start; -1 where it is not
-        # known (a body not chunked, a chunk size with extensions, the last chunk), and the framing takes every byte.
-        self.left = 0 if framing.dechunker is not None else -1
-        self.line = b""  # the start of a chunk size line that the last read cut
-
-    @property
-    def stops(self) -> bool:
-        return self.asked or self.framing.done or self.failed is not None
-
-    def feed(self, view: memoryview) -> None:
-        if self.asked or self.failed is not None or self.framing.done:  # read before the pause took
-            self.protocol.blocks.append(bytes(view))  # kept for the next delivery
-            return
-        if self.left == 0 and not self.line:  # the read, if it is one whole chunk, by its size: no search, no parse
-            end = len(view)
-            size = end - 4 - len(b"%x" % (end - 4))
-            head = b"%x\r\n" % size
-            if size > 0 and len(head) + size + 2 == end and _SHARED.startswith(head):
-                self.give(bytes(_VIEW[len(head) : end - 2]))
-                return
-        self.deliver(_SHARED, view)
-
-    def piece(self, block: bytes) -> None:
-        self.deliver(block, memoryview(block))
-
-    def deliver(self, data: bytes | bytearray, view: memoryview) -> None:
-        """Hand the body's bytes in ``view`` (``data``'s first bytes) to the consumer."""
-        try:
-            body = self.unframe(data, view)
-        except Exception as error:  # raised to the reader, not into the event loop's transport
-            self.failed = error
-            body = b""
-        self.give(body)
-
-    def give(self, body: bytes) -> None:
-        if body:
-            try:
-                self.asked = self.take(body)
-            except Exception as error:  # raised to the reader, not into the event loop's transport
-                self.failed = error
-        if self.asked or self.failed is not None or self.framing.done:
-            self.protocol.pause()
-            self.protocol.wake()
-
-    def unframe(self, data: bytes | bytearray, view: memoryview) -> bytes:
-        """The body's bytes in ``view``, in one piece; raises BadAnswer where the framing is broken."""
-        left, end = self.left, len(view)
-        if left < 0:
-            return self.framing.unframe(bytes(view))
-        out: list[bytes | memoryview] = []
-        at = 0
-        if left > 0:  # the rest of a chunk the framing began
-            at = min(left, end)
-            out.append(self.framing.unframe(bytes(view[:at])))
-            self.left = left - at
-        elif self.line:
-            data = self.line + bytes(view)
-            view, end, self.line = memoryview(data), len(data), b""
-        while at < end and self.left == 0:
-            line_end = data.find(b"\r\n", at, end)
-            if line_end < 0 and end - at < _LINE_HELD_BYTES:
-                self.line = bytes(view[at:end])
-                break
-            size = int(data[at:line_end], 16) if line_end > at and _HEX.fullmatch(data, at, line_end) else 0
-            stop = line_end + size + 4
-            if size == 0 or stop > end:  # the last chunk, extensions, a broken size, or a chunk the read cut
-                out.append(self.framing.unframe(bytes(view[at:end])))
-                self.left = stop - end if size else -1
-                break
-            out.append(view[line_end + 2 : stop - 2])  # its CRLF not checked, as the framing does not
-            at = stop
-        if len(out) == 1:
-            return bytes(out[0])
-        return b"".join(out)
 
 
 def request_bytes(
