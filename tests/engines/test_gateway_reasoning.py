@@ -4,10 +4,11 @@ The thinking model (simulate/vllm/thinking_model.py) is served with ``--reasonin
 ``qwen3``, both with ``--enable-auto-tool-choice --tool-call-parser hermes``, and the gateway is told the same
 (``--reasoning-parser``, ``--tool-call-parser``). Each transcript is streamed many times, each stream dropped by a
 proxy right after a chosen token: in the thinking, on the ``</think>`` token, in the answer, in a call's name, in its
-arguments, between two calls. Then a server is killed (SIGKILL) under streams. The client's stream, assembled by the
-``openai`` package's own stream helper (``ChatCompletionStreamState``), must be the uninterrupted one's: reasoning,
-content and each call's index, name and arguments equal byte for byte, a call begun before the cut keeps the id the
-client had (each call is named once), one role, one finish reason, and the usage with its reasoning tokens.
+arguments, between two calls. Then a server is killed (SIGKILL), and another stopped (SIGTERM), under streams
+started at once. The client's stream, assembled by the ``openai`` package's own stream helper
+(``ChatCompletionStreamState``), must be the uninterrupted one's: reasoning, content and each call's index, name and
+arguments equal byte for byte, a call begun before the cut keeps the id the client had (each call is named once),
+one role, one finish reason, and the usage with its reasoning tokens.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from openai.types.chat import ChatCompletionChunk
 
 import tests.engines.cut_proxy as proxies
 from simulate.fakes.processes import free_port
-from simulate.fakes.sse_client import Streamed, read_stream
+from simulate.fakes.sse_client import Streamed
 from simulate.vllm.server import VllmServer, available, start_servers, thinking_model
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
-from tests.engines.test_gateway_vllm import gather_streams, live, longest_silence, started, until
+from tests.engines.test_gateway_vllm import gather_streams, live, longest_silence, started, through, until
 from tests.engines.test_reasoning_model import chat_body
 from tests.gateway_harness import Running, gateway, metric, readiness
 
@@ -222,28 +223,7 @@ async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_mes
         assert sum(c.path == path for c in planned) >= 20, path
 
 
-STAGGER_S = 0.05  # between the starts of the killed server's streams, so the kill finds them at every stage
-KILLED_STREAMS = 10  # per transcript
-
-
-@asynccontextmanager
-async def staggered(gw: Running, calls: list[tuple[str, dict[str, Any]]]) -> AsyncIterator[tuple[list[Streamed], Any]]:
-    """The streams through the gateway, each started ``STAGGER_S`` after the one before; awaiting the second value
-    waits for them all to end."""
-    streams = [Streamed(0) for _ in calls]
-
-    async def one(session: aiohttp.ClientSession, n: int) -> Streamed:
-        await asyncio.sleep(n * STAGGER_S)
-        path, body = calls[n]
-        return await read_stream(gw.url(path), body, session=session, into=streams[n])
-
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
-        running = asyncio.gather(*(one(session, n) for n in range(len(calls))))
-        try:
-            yield streams, running
-        finally:
-            await running
+KILLED_STREAMS = 10  # per transcript, all started at once: the end finds each early in its reasoning
 
 
 def killed_calls() -> tuple[list[Transcript], list[tuple[str, dict[str, Any]]]]:
@@ -277,9 +257,8 @@ async def test_parsed_streams_on_a_killed_server_continue_to_the_uninterrupted_m
         flags = ("--ready-url", urls[0], "--ready-url", urls[1], *parsed["deepseek_r1"].flags())
         async with gateway(serving.port, spare.port, flags=flags) as gw:
             await until(gw, "spotdrain_gateway_backends_ready", 1)
-            async with staggered(gw, calls) as (streams, running):
-                await asyncio.sleep(len(calls) * STAGGER_S)
-                await started(streams[-1:], tokens=3)  # the first ones further on, some in their calls
+            async with through(gw, calls) as (streams, running):
+                await started(streams, tokens=3)
                 ready[1] = True
                 await until(gw, "spotdrain_gateway_backends_ready", 2)
                 serving.kill()  # SIGKILL of its process group, as a reclaimed node
@@ -317,9 +296,8 @@ async def test_parsed_streams_on_a_server_stopped_with_sigterm_continue_to_the_u
         )
         async with gateway(serving.port, spare.port, flags=flags) as gw:
             await until(gw, "spotdrain_gateway_backends_ready", 1)
-            async with staggered(gw, calls) as (streams, running):
-                await asyncio.sleep(len(calls) * STAGGER_S)
-                await started(streams[-1:], tokens=3)  # the first ones further on, some in their calls
+            async with through(gw, calls) as (streams, running):
+                await started(streams, tokens=3)
                 serving.signal(signal.SIGTERM)
                 ready[1] = True
                 await running
