@@ -79,9 +79,18 @@ def _started(count: int, model: Path, log_dir: Path, args: tuple[str, ...]) -> l
     return start_servers([free_port() for _ in range(count)], model=model, log_dir=log_dir, extra_args=args)
 
 
-def request(t: Transcript, name: str) -> tuple[str, dict[str, Any]]:
+def request(t: Transcript, name: str, *, asks_ids: bool = False) -> tuple[str, dict[str, Any]]:
     """The transcript's chat, told apart from its other streams by ``user`` (an OpenAI field vLLM passes by)."""
-    return CHAT, chat_body(t, user=name, stream_options={"include_usage": True})
+    body = chat_body(t, user=name, stream_options={"include_usage": True})
+    return CHAT, body | {"return_token_ids": True} if asks_ids else body
+
+
+def token_ids(streamed: Streamed) -> list[int | None]:
+    """Every id the stream's chunks carry; None for a chunk without (the client did not ask)."""
+    out: list[int | None] = []
+    for choice in (c for chunk in streamed.chunks for c in chunk.get("choices") or () if "token_ids" in c):
+        out += [None] if choice["token_ids"] is None else choice["token_ids"]
+    return out
 
 
 def message(streamed: Streamed) -> dict[str, Any]:
@@ -189,13 +198,9 @@ async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_mes
     ids = await marker_ids(server.url)
     references = await gather_streams(server.url, [(CHAT, chat_body(t, return_token_ids=True)) for t in TRANSCRIPTS])
     planned = [c for t, r in zip(TRANSCRIPTS, references, strict=True) for c in cuts(t, r, ids)]
-    calls = [request(c.transcript, f"{parser}-{n}") for n, c in enumerate(planned)]
-    want = {
-        t.name: w
-        for t, w in zip(
-            TRANSCRIPTS, await gather_streams(server.url, [request(t, "whole") for t in TRANSCRIPTS]), strict=True
-        )
-    }
+    calls = [request(c.transcript, f"{parser}-{n}", asks_ids=n % 3 == 0) for n, c in enumerate(planned)]
+    want = await uninterrupted(server)
+    reference_ids = {t.name: token_ids(r) for t, r in zip(TRANSCRIPTS, references, strict=True)}
     async with (
         keyed_by_user(monkeypatch),
         proxies.cut_proxy(server.url) as (first, first_port),
@@ -216,6 +221,8 @@ async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_mes
         f"where {sorted({c.where for c in planned})}, longest silence {longest_silence(got):.2f} s"
     )
     assert cut_count == 0
+    for n, (c, g) in enumerate(zip(planned, got, strict=True)):  # every third asked for the ids: each once, in order
+        assert token_ids(g) == reference_ids[c.transcript.name] if n % 3 == 0 else set(token_ids(g)) <= {None}
     assert all(ok for _, ok in results), [
         (c.transcript.name, c.where, c.at) for c, (_, ok) in zip(planned, results, strict=True) if not ok
     ]
