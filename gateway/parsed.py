@@ -30,8 +30,10 @@ from gateway.reasoning import (
 )
 from gateway.settings import ParserSettings
 
-# What vLLM's /tokenize is asked, to learn the markers' ids: <think>, </think>, then qwen3's turn boundaries.
-MARKER_TEXT = "<think></think><|im_start|><|im_end|>"
+# What vLLM's /tokenize is asked, to learn the markers' ids, and for qwen3 its turn boundaries (Qwen's ChatML; a
+# vocabulary without them as tokens, DeepSeek-R1's, needs none: only qwen3 looks back for them).
+THINK_TEXT = "<think></think>"
+TURNS_TEXT = "<|im_start|><|im_end|>"
 
 
 def supported(parsers: ParserSettings) -> bool:
@@ -71,16 +73,16 @@ def parser_refusal(body: dict[str, Any], parsers: ParserSettings, *, reasoning: 
 
 
 def chat_parsers(body: dict[str, Any], parsers: ParserSettings, markers: Markers | None) -> ChatParsers:
-    """The replay's parsers for this request (``markers``: the ids /tokenize gave for ``MARKER_TEXT``)."""
+    """The replay's parsers for this request (``markers``: from /tokenize, ``markers_from``)."""
     return ChatParsers(parsers.reasoning, parsers.tools, markers, tools_offered=tools_offered(body))
 
 
-def markers_from(ids: Sequence[int]) -> Markers | None:
-    """``Markers`` from /tokenize's ids for ``MARKER_TEXT``; None where the vocabulary lacks a marker token."""
-    if len(ids) != 4:
+def markers_from(think: Sequence[int], turns: Sequence[int] = ()) -> Markers | None:
+    """``Markers`` from /tokenize's ids for ``THINK_TEXT`` and ``TURNS_TEXT``; None where the vocabulary lacks a
+    ``<think>`` or ``</think>`` token (its parser could not work either), no boundaries where it lacks those."""
+    if len(think) != 2:
         return None
-    start, end, *boundaries = ids
-    return Markers(start, end, frozenset(boundaries))
+    return Markers(think[0], think[1], frozenset(turns) if len(turns) == 2 else frozenset())
 
 
 @dataclass

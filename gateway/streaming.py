@@ -229,7 +229,8 @@ class _Run:
         piece = await generated(session, backend.url, ids, model=model, timeout_s=timeout_s)
         marks = None
         if parsers.reasoning is not None:
-            marks = await markers(session, backend.url, model=model, timeout_s=timeout_s)
+            qwen3 = parsers.reasoning == "qwen3"
+            marks = await markers(session, backend.url, model=model, timeout_s=timeout_s, turns=qwen3)
         if piece is None or (parsers.reasoning is not None and marks is None):
             log.warning("gateway.no_replay", backend=backend.url, reasoning_parser=parsers.reasoning)
             return None

@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.parsed import MARKER_TEXT, markers_from
+from gateway.parsed import THINK_TEXT, TURNS_TEXT, markers_from
 from gateway.reasoning import Markers, Piece
 
 # A character is at most 4 bytes of UTF-8, so at most 3 of the last tokens hold only part of it.
@@ -29,14 +29,24 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], 
         return None
 
 
-async def markers(session: aiohttp.ClientSession, url: str, *, model: object, timeout_s: float) -> Markers | None:
-    """The reasoning markers' ids in the model's vocabulary."""
-    body = {"model": model, "prompt": MARKER_TEXT, "add_special_tokens": False}
+async def markers(
+    session: aiohttp.ClientSession, url: str, *, model: object, timeout_s: float, turns: bool = False
+) -> Markers | None:
+    """The reasoning markers' ids in the model's vocabulary, and with ``turns`` (qwen3) its turn boundaries'."""
+    think = await _tokens(session, url, THINK_TEXT, model=model, timeout_s=timeout_s)
+    if think is None:
+        return None
+    boundaries = await _tokens(session, url, TURNS_TEXT, model=model, timeout_s=timeout_s) if turns else None
+    return markers_from(think, boundaries or ())
+
+
+async def _tokens(
+    session: aiohttp.ClientSession, url: str, text: str, *, model: object, timeout_s: float
+) -> list[int] | None:
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
     said = await _post(session, url + "/tokenize", body, timeout_s)
     ids = said.get("tokens") if isinstance(said, dict) else None
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        return None
-    return markers_from(ids)
+    return ids if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
 
 
 async def generated(

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.continuation import continuation, refusal
 from gateway.parsed import Replayed, markers_from, parser_refusal, skips_special_tokens, supported
-from gateway.reasoning import ChatParsers, Piece, assembled, reasoning_tokens
+from gateway.reasoning import ChatParsers, Markers, Piece, assembled, reasoning_tokens
 from gateway.reshape import as_chat
 from gateway.settings import ParserSettings, add_arguments, from_arguments
 from gateway.splice import Splicer
@@ -99,8 +99,9 @@ def test_tokens_the_client_had_are_fed_to_the_parsers_and_not_sent_again() -> No
 
 
 def test_the_markers_come_from_tokenize_or_not_at_all() -> None:
-    assert markers_from([700, 701, 1, 2]) == THINK.__class__(700, 701, frozenset({1, 2}))
-    assert markers_from([700, 5, 9, 701, 1, 2]) is None  # a vocabulary without a <think> token
+    assert markers_from([700, 701], [1, 2]) == Markers(700, 701, frozenset({1, 2}))
+    assert markers_from([700, 701], [5, 9, 1, 6, 2]) == Markers(700, 701, frozenset())  # no ChatML tokens
+    assert markers_from([700, 5, 9, 701]) is None  # a vocabulary without a <think> token
 
 
 def parser_settings(*flags: str) -> ParserSettings:

@@ -23,6 +23,8 @@ from tests.conftest import serving_app
 MODEL = "m"
 NAIVE_START = VOCAB.index(SPLIT[2])  # " na\xc3": ends inside "ï"
 NAIVE_END = VOCAB.index(SPLIT[3])
+# The thinking model's ids for the markers (simulate/vllm/transcripts.py adds them as tokens; /tokenize, measured).
+VOCABULARY = {"<think></think>": [700, 701], "<|im_start|><|im_end|>": [1, 2]}
 
 
 @asynccontextmanager
@@ -36,8 +38,10 @@ async def vllm_like(*, status: int = 200, delay_s: float = 0.0) -> AsyncIterator
         return web.json_response({"prompt": text_of(body["tokens"])}, status=status)
 
     async def tokenize(request: web.Request) -> web.Response:
-        asked.append(await request.json())
-        return web.json_response({"count": 4, "max_model_len": 2048, "tokens": [700, 701, 1, 2], "token_strs": None})
+        body = await request.json()
+        asked.append(body)
+        tokens = VOCABULARY[body["prompt"]]
+        return web.json_response({"count": len(tokens), "max_model_len": 2048, "tokens": tokens, "token_strs": None})
 
     app = web.Application()
     app.router.add_post("/detokenize", detokenize)
@@ -63,10 +67,12 @@ async def test_nothing_generated_is_an_empty_piece_asked_of_no_one() -> None:
     assert asked == []
 
 
-async def test_the_markers_are_asked_without_special_tokens_added() -> None:
+async def test_the_markers_are_asked_without_special_tokens_added_and_the_turns_for_qwen3_alone() -> None:
     async with vllm_like() as (url, asked), aiohttp.ClientSession() as session:
-        assert await markers(session, url, model=MODEL, timeout_s=5) == Markers(700, 701, frozenset({1, 2}))
-    assert asked == [{"model": MODEL, "prompt": "<think></think><|im_start|><|im_end|>", "add_special_tokens": False}]
+        assert await markers(session, url, model=MODEL, timeout_s=5) == Markers(700, 701)
+        assert await markers(session, url, model=MODEL, timeout_s=5, turns=True) == Markers(700, 701, frozenset({1, 2}))
+    think = {"model": MODEL, "prompt": "<think></think>", "add_special_tokens": False}
+    assert asked == [think, think, {**think, "prompt": "<|im_start|><|im_end|>"}]
 
 
 async def test_a_backend_that_cannot_say_gives_nothing_to_continue_from() -> None:
