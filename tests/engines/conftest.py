@@ -10,7 +10,7 @@ import pytest
 from simulate.fakes.processes import free_port
 from simulate.ray.server import RayNode
 from simulate.ray.server import available as ray_available
-from simulate.vllm.server import VllmServer, available, start_servers, tiny_model
+from simulate.vllm.server import VllmServer, available, start_servers, thinking_model, tiny_model
 
 SERVERS = 3  # enough to kill one and still continue on another, with a third for tests that need two alive
 
@@ -22,6 +22,18 @@ def vllm_model() -> Path:
         pytest.skip(reason)
     try:
         return tiny_model()
+    except (OSError, RuntimeError) as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def thinking_vllm_model() -> Path:
+    """The tiny model trained to reason and call tools (``simulate.vllm.thinking_model``), built once."""
+    reason = available()
+    if reason is not None:
+        pytest.skip(reason)
+    try:
+        return thinking_model()
     except (OSError, RuntimeError) as error:
         pytest.skip(str(error))
 

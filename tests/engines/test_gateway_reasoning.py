@@ -30,7 +30,7 @@ from openai.types.chat import ChatCompletionChunk
 import tests.engines.cut_proxy as proxies
 from simulate.fakes.processes import free_port
 from simulate.fakes.sse_client import Streamed
-from simulate.vllm.server import VllmServer, available, start_servers, thinking_model
+from simulate.vllm.server import VllmServer, start_servers
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
 from tests.engines.test_gateway_vllm import gather_streams, live, longest_silence, started, through, until
 from tests.engines.test_reasoning_model import chat_body
@@ -52,15 +52,9 @@ class Parsed:
 
 
 @pytest.fixture(scope="module")
-def parsed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Parsed]]:
+def parsed(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Parsed]]:
     """deepseek_r1 on three servers (one to kill, one to stop, one to continue on), qwen3 on one (the proxy's)."""
-    reason = available()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        model = thinking_model()
-    except (OSError, RuntimeError) as error:
-        pytest.skip(str(error))
+    model = thinking_vllm_model
     log_dir = tmp_path_factory.mktemp("parsed")
     servers = []
     try:

@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,7 +28,7 @@ from gateway.reasoning import ChatParsers, Markers, Piece, assembled, continued,
 from gateway.tool_calls import Delta
 from simulate.fakes.processes import free_port
 from simulate.fakes.sse_client import Streamed, read_stream
-from simulate.vllm.server import MODEL_NAME, VllmServer, available, thinking_model
+from simulate.vllm.server import MODEL_NAME, VllmServer
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
 from tests.engines.test_reasoning_model import chat_body
 
@@ -79,14 +80,8 @@ def pieces(raw: Streamed) -> list[Piece]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
-    reason = available()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        model = thinking_model()
-    except (OSError, RuntimeError) as error:
-        pytest.skip(str(error))
+def served(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
+    model = thinking_vllm_model
     log_dir = tmp_path_factory.mktemp("reasoning")
     servers = {
         name: VllmServer(free_port(), model, log_dir / f"{name}.log", ("--reasoning-parser", name, *TOOLS, SCALE_OUT))

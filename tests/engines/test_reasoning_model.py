@@ -11,21 +11,15 @@ import httpx
 import pytest
 
 from simulate.fakes.processes import free_port
-from simulate.vllm.server import MODEL_NAME, VllmServer, available, thinking_model
+from simulate.vllm.server import MODEL_NAME, VllmServer
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
 
 PARSER_ARGS = ("--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture(scope="module")
-def thinking_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    reason = available()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        model = thinking_model()
-    except (OSError, RuntimeError) as error:
-        pytest.skip(str(error))
+def thinking_vllm(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    model = thinking_vllm_model
     server = serving(model, tmp_path_factory.mktemp("thinking"), PARSER_ARGS)
     try:
         yield server
