@@ -31,11 +31,12 @@ import json
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from simulate.ray.server import APP_NAME, MODEL_NAME, REPORT_INTERVAL_MS, STEP_S, VERSION
+from simulate.ray.scheduler import Scheduler
+from simulate.ray.server import APP_NAME, MODEL_NAME, REPORT_INTERVAL_MS, VERSION
 
 AGENT_LAG_S = 0.3  # from a process's export to the agent's page (0.2-0.4 s on real Ray)
 NODE_IP = "127.0.0.1"
@@ -51,12 +52,6 @@ NODE_SERIES = f"""\
 ray_node_mem_total{{IsHeadNode="false",RayNodeType="worker",SessionName="{SESSION}",Version="{VERSION}",\
 ip="{NODE_IP}"}} 2.5e+10
 """
-
-
-@dataclass
-class _Request:
-    tokens_left: int
-    out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
 
 
 @dataclass
@@ -133,14 +128,12 @@ class FakeRay:
         self.report_interval_s = report_interval_s
         self.counts = _Counts()
         self.shown = _Counts().page()
-        self.waiting: list[_Request] = []
-        self.running: list[_Request] = []
-        self.work = asyncio.Event()
+        self.scheduler = Scheduler(self._record)
         self.open: set[asyncio.BaseTransport] = set()  # the streams' connections, which a kill closes
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._steps()), asyncio.create_task(self._exports())]
+        self._tasks = [asyncio.create_task(self.scheduler.run()), asyncio.create_task(self._exports())]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -164,23 +157,9 @@ class FakeRay:
     def _show(self, page: str) -> None:
         self.shown = page
 
-    async def _steps(self) -> None:
-        while True:
-            await self.work.wait()
-            await asyncio.sleep(STEP_S)
-            self.running += self.waiting
-            self.waiting = []
-            for request in self.running:
-                request.tokens_left -= 1
-                request.out.put_nowait(request.tokens_left)
-            # vLLM's Ray stat logger records after each step with outputs, nothing while idle.
-            self.counts.tokens = (self.counts.tokens or 0) + len(self.running)
-            for request in [r for r in self.running if r.tokens_left <= 0]:
-                request.out.put_nowait(None)
-                self.running.remove(request)
-            self.counts.running, self.counts.waiting = len(self.running), len(self.waiting)
-            if not self.running and not self.waiting:
-                self.work.clear()
+    def _record(self, generated: int, running: int, waiting: int) -> None:
+        self.counts.tokens = (self.counts.tokens or 0) + generated
+        self.counts.running, self.counts.waiting = running, waiting
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.counts.proxy = (self.counts.proxy or 0) + 1
@@ -188,13 +167,11 @@ class FakeRay:
         connection = request.transport
         if connection is not None:
             self.open.add(connection)
-        handle = _Request(tokens_left=1)
+        handle = None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         try:
             body = await request.json()
-            handle.tokens_left = max(1, int(body.get("max_tokens", 16)))
-            self.waiting.append(handle)
-            self.work.set()
+            handle = self.scheduler.add(max(1, int(body.get("max_tokens", 16))))
             await response.prepare(request)
             while (left := await handle.out.get()) is not None:
                 chunk = {
@@ -210,9 +187,8 @@ class FakeRay:
         finally:
             if connection is not None:
                 self.open.discard(connection)
-            for queue in (self.waiting, self.running):
-                if handle in queue:
-                    queue.remove(handle)
+            if handle is not None:
+                self.scheduler.abort(handle)
             self.counts.proxy = (self.counts.proxy or 1) - 1
             self.counts.replica -= 1
         return response

@@ -21,20 +21,14 @@ import asyncio
 import json
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from ray import serve  # type: ignore[import-not-found]
 from ray.util import metrics  # type: ignore[import-not-found]
 from starlette.requests import Request  # type: ignore[import-not-found]
 from starlette.responses import StreamingResponse  # type: ignore[import-not-found]
 
-from simulate.ray.server import APP_NAME, MODEL_NAME, STEP_S
-
-
-@dataclass
-class _Request:
-    tokens_left: int
-    out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+from simulate.ray import scheduler
+from simulate.ray.server import APP_NAME, MODEL_NAME
 
 
 class _Engine:
@@ -52,45 +46,17 @@ class _Engine:
         self.tokens_counter = metrics.Counter(
             "vllm_generation_tokens", "Number of generation tokens processed.", tag_keys=tag_keys
         )
-        self.waiting: list[_Request] = []
-        self.running: list[_Request] = []
-        self.work = asyncio.Event()
+        self.scheduler = scheduler.Scheduler(self._record)
         self.loop_task: asyncio.Task[None] | None = None
 
-    def add(self, tokens: int) -> _Request:
+    def add(self, tokens: int) -> scheduler.Request:
         if self.loop_task is None:
-            self.loop_task = asyncio.get_running_loop().create_task(self._steps())
-        request = _Request(tokens_left=tokens)
-        self.waiting.append(request)
-        self.work.set()
-        return request
+            self.loop_task = asyncio.get_running_loop().create_task(self.scheduler.run())
+        return self.scheduler.add(tokens)
 
-    def abort(self, request: _Request) -> None:
-        for queue in (self.waiting, self.running):
-            if request in queue:
-                queue.remove(request)
-
-    async def _steps(self) -> None:
-        while True:
-            await self.work.wait()
-            await asyncio.sleep(STEP_S)
-            self.running += self.waiting
-            self.waiting = []
-            generated = 0
-            for request in self.running:
-                request.tokens_left -= 1
-                generated += 1
-                request.out.put_nowait(request.tokens_left)
-            for request in [r for r in self.running if r.tokens_left <= 0]:
-                request.out.put_nowait(None)
-                self.running.remove(request)
-            self._record(generated)
-            if not self.running and not self.waiting:
-                self.work.clear()
-
-    def _record(self, generated: int) -> None:
-        self.running_gauge.set(len(self.running), tags=self.tags)
-        self.waiting_gauge.set(len(self.waiting), tags=self.tags)
+    def _record(self, generated: int, running: int, waiting: int) -> None:
+        self.running_gauge.set(running, tags=self.tags)
+        self.waiting_gauge.set(waiting, tags=self.tags)
         if generated:
             self.tokens_counter.inc(generated, tags=self.tags)
 
@@ -107,7 +73,7 @@ class Llm:
         handle = self.engine.add(max(1, int(body.get("max_tokens", 16))))
         return StreamingResponse(self._events(handle), media_type="text/event-stream")
 
-    async def _events(self, handle: _Request) -> AsyncIterator[str]:
+    async def _events(self, handle: scheduler.Request) -> AsyncIterator[str]:
         try:
             while (left := await handle.out.get()) is not None:
                 chunk = {
@@ -118,7 +84,7 @@ class Llm:
                 yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self.engine.abort(handle)  # as vLLM's AsyncLLM.generate aborts a request whose caller was cancelled
+            self.engine.scheduler.abort(handle)
 
 
 def deploy(address: str, http_port: int) -> None:
