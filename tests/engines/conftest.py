@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,27 +15,26 @@ from simulate.vllm.server import VllmServer, available, start_servers, thinking_
 SERVERS = 3  # enough to kill one and still continue on another, with a third for tests that need two alive
 
 
-@pytest.fixture(scope="session")
-def vllm_model() -> Path:
+def built(model: Callable[[], Path]) -> Path:
+    """A model for real vLLM, built (or taken from its cache); the test skips with the reason where it cannot be."""
     reason = available()
     if reason is not None:
         pytest.skip(reason)
     try:
-        return tiny_model()
+        return model()
     except (OSError, RuntimeError) as error:
         pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def vllm_model() -> Path:
+    return built(tiny_model)
 
 
 @pytest.fixture(scope="session")
 def thinking_vllm_model() -> Path:
     """The tiny model trained to reason and call tools (``simulate.vllm.thinking_model``), built once."""
-    reason = available()
-    if reason is not None:
-        pytest.skip(reason)
-    try:
-        return thinking_model()
-    except (OSError, RuntimeError) as error:
-        pytest.skip(str(error))
+    return built(thinking_model)
 
 
 @pytest.fixture(scope="session")
