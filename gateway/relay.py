@@ -141,7 +141,7 @@ async def relay(
         try:
             answer = await http1.connect(backend.url, connect_s=timeouts.connect_s)
         except TimeoutError:
-            raise  # no connection within connect_s: a timeout, as a silent answer is
+            return Broken("timeout", f"no connection within {timeouts.connect_s} s")
         except OSError as error:
             return Broken("unavailable", str(error) or type(error).__name__)
         async with asyncio.timeout(timeouts.read_s):  # the answer's head; from there, the mover bounds the silence
