@@ -144,7 +144,10 @@ async def test_streams_dropped_after_any_token_continue_exactly(vllm_servers: li
     assert cut >= 2 * 20  # at least 20 per path
     assert after_empty >= 20
     continued = cut - len(first.whole) - len(second.whole)  # a stream cut after its finish_reason is already whole
-    assert methods == {"token_ids": continued, "text": 0, "restart": 0}
+    # Every continuation by ids. A continuation can break too (on a loaded machine its connect has timed out) and be
+    # continued again: more than one per cut stream, each exact, as the equal streams above show.
+    assert (methods["text"], methods["restart"]) == (0, 0)
+    assert methods["token_ids"] >= continued
 
 
 def key(body: dict[str, Any]) -> str:
