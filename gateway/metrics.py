@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.continuation import METHODS, REASONS
-from gateway.splice import CAUSES
+from gateway.ends import CAUSES
 from spotdrain.metrics import CollectorRegistry, Counter, Gauge, Histogram, zeroed
 
 # completed: whole from one backend; continued: whole, spliced from more than one; cut: ended with an error event

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover
+from gateway.ends import Broken, End
 from gateway.server import Connection
 from gateway.settings import TimeoutSettings
-from gateway.splice import Broken, End, Splicer
+from gateway.splice import Splicer
 from gateway.sse import EventTooLarge, SseParser
 from spotdrain import http1
 

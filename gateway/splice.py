@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.chunk_shape import Shape, hidden, learn
+from gateway.ends import DONE, Broken, End, Finished, sse
 from gateway.parsed import Replayed
 from gateway.reshape import as_chat
 from gateway.token_ids import hide, hide_in
@@ -36,43 +37,15 @@ try:  # the gateway extra: a chunk parsed in a fifth of json's time, the splicer
 except ImportError:  # installed without the gateway extra: json alone
     _fast_loads = json.loads  # type: ignore[assignment]
 
-DONE = b"data: [DONE]\n\n"
-# Why a backend stream ended abnormally; each is a reason to continue elsewhere and a metric label.
-# "proactive": the gateway itself moved the stream off a backend whose node is about to be reclaimed; "stalled": off
-# a backend going away, on which the stream had gone silent.
 # A stream's shape is learned from one of its first chunks, or not at all: a stream whose first chunks all differ
 # (logprobs, usage on each) is not parsed again to learn from every one.
 LEARN_WITHIN_TOKENS = 32
-CAUSES = ("reset", "timeout", "server_error", "error_event", "abort", "garbage", "unavailable", "proactive", "stalled")
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The backend sent a ``finish_reason`` and then ``[DONE]``: the stream is whole."""
-
-
-@dataclass(frozen=True)
-class Broken:
-    cause: str
-    detail: str = ""
-
-
-End = Finished | Broken
 
 
 @dataclass(slots=True)
 class Step:
     out: bytes = b""  # for the client, possibly nothing
     end: End | None = None
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def error_event(message: str, *, code: int = 503, kind: str = "ServiceUnavailableError") -> bytes:
-    """An OpenAI-style error event, in the shape vLLM streams its own errors."""
-    return sse({"error": {"message": message, "type": kind, "param": None, "code": code}})
 
 
 @dataclass

@@ -19,13 +19,14 @@ from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover, Pool, context_length
 from gateway.continuation import by_ids, continuation, refusal, refusal_at_start, remaining_tokens
+from gateway.ends import Broken, End, Finished, error_event
 from gateway.metrics import GatewayMetrics
 from gateway.parsed import Replayed, chat_parsers, supported
 from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
 from gateway.request import Request
 from gateway.server import Connection
 from gateway.settings import GatewaySettings
-from gateway.splice import Broken, End, Finished, Splicer, error_event
+from gateway.splice import Splicer
 from gateway.token_ids import FIELD, asked, refuses_ids, with_ids
 from gateway.vocabulary import generated, markers
 

@@ -12,10 +12,11 @@ from unittest.mock import Mock
 from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover
+from gateway.ends import Broken
 from gateway.relay import ClientStream, relay
 from gateway.server import Connection
 from gateway.settings import TimeoutSettings
-from gateway.splice import Broken, Splicer
+from gateway.splice import Splicer
 
 
 @contextmanager

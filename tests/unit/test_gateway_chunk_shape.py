@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.sse_source import chunk as bench_chunk
-from gateway import splice
+from gateway import ends, splice
 from gateway.backends import Mover
 from gateway.chunk_shape import Shape, learn
 from gateway.relay import ClientStream, _Events
@@ -127,7 +127,7 @@ def test_split_reads_and_merged_events_reach_the_client_as_the_full_parse_relays
                 break
         got.append((b"".join(client.sent), events.end, events.splicer.text, events.splicer.token_ids))
     assert got[0] == got[1]
-    assert got[0][1] == splice.Finished()
+    assert got[0][1] == ends.Finished()
 
 
 class Recorded:

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.continuation import Continuation, continuation, refusal, refusal_at_start, remaining_tokens
-from gateway.splice import Broken, Finished, Splicer
+from gateway.ends import Broken, Finished
+from gateway.splice import Splicer
 
 CHAT = "/v1/chat/completions"
 

@@ -16,7 +16,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.continuation import continuation
-from gateway.splice import Broken, Finished, Splicer
+from gateway.ends import Broken, Finished
+from gateway.splice import Splicer
 from gateway.token_ids import FIELD
 from simulate.fakes.openai_format import DONE, Stream, chunk_size, read_job
 from simulate.fakes.tokens import Context, Detokenizer
