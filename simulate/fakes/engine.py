@@ -7,6 +7,7 @@ prometheus_client as vLLM does. ``python -m simulate.fakes.engine --port 8000`` 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import signal
 import time
@@ -21,9 +22,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from simulate.fakes.engine_config import EngineConfig as EngineConfig  # where the tests and benchmarks take it
 from simulate.fakes.engine_config import parse_flags
 from simulate.fakes.engine_metrics import VllmMetrics
-from simulate.fakes.engine_shutdown import ERROR_EVENT, Shutdown, aborted_at_once, client_gone, refused
+from simulate.fakes.engine_shutdown import Shutdown, aborted_at_once, end_stream, refused
+from simulate.fakes.engine_tokenize import detokenize, tokenize
 from simulate.fakes.openai_format import (
     DONE,
+    ChatParsers,
     InvalidRequest,
     Job,
     Output,
@@ -33,10 +36,13 @@ from simulate.fakes.openai_format import (
     read_job,
     token_id_prompt,
 )
+from simulate.fakes.reasoning_frames import ChatFrames, Parsers
+from simulate.fakes.thinking import END_OF_TURN, continuation
 from simulate.fakes.tokens import Context, Detokenizer
 
 log = structlog.get_logger()
 
+AUTO_TOOLS_REFUSED = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 # Mixed into the context of each choice after the first (``n`` > 1), so each is a sample of its own.
 SAMPLE_SALT = 1 << 40
 
@@ -84,9 +90,15 @@ class FakeEngine:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        config = self.config
+        parsers = ChatParsers(config.reasoning_parser, config.tool_call_parser) if config.thinking else None
         try:
             body = await request.json()
-            job = read_job(body, chat=chat, max_model_len=self.config.max_model_len, token_ids=self.config.token_ids)
+            job = read_job(
+                body, chat=chat, max_model_len=config.max_model_len, token_ids=config.token_ids, parsers=parsers
+            )
+            if job.tools and not (config.auto_tool_choice and config.tool_call_parser):  # vLLM's online_renderer.py
+                raise InvalidRequest(AUTO_TOOLS_REFUSED)
         except InvalidRequest as error:
             return web.json_response(error_body(str(error), kind=error.kind, param=error.param), status=400)
         except ValueError as error:  # a body that is not JSON
@@ -156,7 +168,12 @@ class FakeEngine:
         context = Context(job.prompt_ids, partial_utf8=self.config.partial_utf8)
         if choice:
             context.push(SAMPLE_SALT + choice)
-        detokenizer = Detokenizer(job.prompt_ids)
+        detokenizer = Detokenizer(job.prompt_ids, skip_special=job.skip_special_tokens)
+        config = self.config
+        planned, job_utf8 = [], config.partial_utf8
+        if config.thinking and not choice:
+            reply = continuation(job.prompt_ids, reasoning_tokens=config.reasoning_tokens, partial_utf8=job_utf8)
+            planned = [step.token for step in reply or ()]
         if choice == 0:
             self.metrics.prompt_tokens.labels(**labels).inc(max(1, len(job.prompt_ids)))
         last = time.monotonic()
@@ -165,7 +182,7 @@ class FakeEngine:
         try:
             while generated < job.max_tokens:
                 await asyncio.sleep(1 / self.config.tokens_per_s)
-                token = context.next_token()
+                token = planned[generated] if generated < len(planned) else context.next_token()
                 context.push(token)
                 now = time.monotonic()
                 (self.metrics.ttft if generated == 0 else self.metrics.itl).labels(**labels).observe(now - last)
@@ -174,6 +191,9 @@ class FakeEngine:
                 self.kv_tokens[engine] += 1
                 self.metrics.generation_tokens.labels(**labels).inc()
                 self._publish(engine)
+                if token == END_OF_TURN:  # its text left out (vllm/v1/engine/detokenizer.py, stop_terminated)
+                    yield token, "", "stop", None
+                    return
                 piece = detokenizer.step(token)
                 found = _first_stop(text, piece, job.stop)
                 if found is not None:
@@ -205,19 +225,26 @@ class FakeEngine:
                     if (first := out.first(role=job.role, prompt_ids=job.prompt_ids, index=index)) is not None:
                         await response.write(first)
                 sent = [0] * job.n
+                frames = [self._frames(job) for _ in range(job.n)] if out.chat and self.config.thinking else None
                 pending: dict[int, tuple[list[str], list[int]]] = {}  # steps not sent yet, by choice
                 async with aclosing(self._steps(job, engine=engine)) as steps:
                     async for index, token, text, finish, stop in steps:
                         if self.shutdown.ending is not None:
                             self.cut += 1
-                            await self._fault(self.shutdown.ending, request, response, job, out, generated=generated)
+                            await end_stream(self.shutdown.ending, request, response, job, out, generated=generated)
                             return
                         held = sum(len(ids) for _, ids in pending.values())
                         fault = self.config.fault if self._faults_at(generated + held) else None
-                        if fault is not None and await self._fault(
+                        if fault is not None and await end_stream(
                             fault, request, response, job, out, generated=generated
                         ):
                             return
+                        if frames is not None:  # one step a chunk: the parsers' deltas are modelled per step
+                            chunk = frames[index].chunk(out, token, text, finish=finish, stop=stop, index=index)
+                            if chunk is not None:
+                                await response.write(chunk)
+                            generated += 1
+                            continue
                         texts, ids = pending.setdefault(index, ([], []))
                         texts.append(text)
                         ids.append(token)
@@ -237,7 +264,10 @@ class FakeEngine:
                     self._publish(engine)
                     await asyncio.sleep(self.config.linger_s)
                 if job.include_usage:
-                    await response.write(out.usage(len(job.prompt_ids), generated))
+                    reasoning = None
+                    if frames is not None and self.config.reasoning_parser is not None:
+                        reasoning = sum(f.reasoning_tokens() for f in frames)
+                    await response.write(out.usage(len(job.prompt_ids), generated, reasoning_tokens=reasoning))
                 await response.write(DONE)
                 await response.write_eof()
                 self.completed += 1
@@ -254,37 +284,13 @@ class FakeEngine:
                 self._publish(engine)
                 self.shutdown.closed()
 
+    def _frames(self, job: Job) -> ChatFrames:
+        config = self.config
+        parsers = Parsers(config.reasoning_parser, config.tool_call_parser, job.tools, job.include_reasoning)
+        return ChatFrames(parsers, with_ids=job.token_ids)
+
     def _faults_at(self, generated: int) -> bool:
         return self.config.fault is not None and generated == self.config.fault_after
-
-    async def _fault(
-        self, fault: str, request: web.Request, response: web.StreamResponse, job: Job, out: Stream, *, generated: int
-    ) -> bool:
-        """End this stream with ``fault`` after ``generated`` tokens; True when the stream is over. ``abort``,
-        ``error`` and ``hang`` are also how vLLM ends its open streams on SIGTERM (engine_shutdown)."""
-        log.info("engine.fault", request=out.id, fault=fault, generated=generated)
-        if fault == "drop":  # the TCP connection goes, as when the node or the process vanishes
-            if request.transport is not None:
-                request.transport.abort()
-            return True
-        if fault == "abort":  # what vLLM streams for a request it aborted (finish_reason "abort"), then usage, [DONE]
-            for index in range(job.n):
-                await response.write(out.token("", [], finish="abort", stop=None, prompt_ids=None, index=index))
-            if job.include_usage:
-                await response.write(out.usage(len(job.prompt_ids), generated))
-        elif fault == "error":  # vLLM's streaming error event when its engine core died, then [DONE]
-            await response.write(ERROR_EVENT)
-        elif fault == "garbage":
-            await response.write(b"<html>502 Bad Gateway</html>\r\n\x00\xff\n\n")
-        elif fault == "hang":  # no more bytes, the connection open, until the client goes away
-            await client_gone(request)
-            return True
-        else:
-            return False
-        if fault != "garbage":
-            await response.write(DONE)
-        await response.write_eof()
-        return True
 
     async def metrics_page(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -310,6 +316,8 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", functools.partial(tokenize, config=self.config))
+        app.router.add_post("/detokenize", functools.partial(detokenize, config=self.config))
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/health", self.health)
         return app

@@ -37,6 +37,17 @@ class EngineConfig:
     # Up to this many engine steps per chunk, as vLLM sends them when its API server falls behind (the steps not yet
     # sent are merged: RequestOutputCollector in vllm/v1/engine/output_processor.py). 1: one token per chunk.
     merge_steps: int = 1
+    # vLLM's --reasoning-parser (REASONING_PARSERS), --tool-call-parser (TOOL_PARSERS) and --enable-auto-tool-choice.
+    # With either parser the model is a thinking one (simulate/fakes/thinking.py): a chat's reply reasons for
+    # ``reasoning_tokens`` tokens, answers and, where tools are offered, calls them (fakes/reasoning_frames.py).
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    auto_tool_choice: bool = False
+    reasoning_tokens: int = 200
+
+    @property
+    def thinking(self) -> bool:
+        return self.reasoning_parser is not None or self.tool_call_parser is not None
 
 
 # drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more
@@ -46,6 +57,8 @@ FAULTS = ("drop", "abort", "error", "hang", "garbage", "unavailable")
 # unknown fields and goes on, so its older releases answer without ids); refused: an OpenAI-compatible server that
 # answers an unknown field with a 400 naming it.
 TOKEN_IDS = ("returned", "ignored", "refused")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+TOOL_PARSERS = ("hermes",)
 
 
 def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[argparse.Namespace, EngineConfig]:
@@ -69,7 +82,15 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
     )
     parser.add_argument("--merge-steps", type=int, default=1, help="up to this many tokens per chunk, as under load")
     parser.add_argument("--model-dir", help="read the checkpoint here before listening (config.json, shard headers)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, help="split chats' reasoning, as vLLM's")
+    parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, help="stream tool calls, as vLLM's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", help="let the model call tools it chooses")
+    parser.add_argument(
+        "--reasoning-tokens", type=int, default=EngineConfig.reasoning_tokens, help="tokens a chat reasons for"
+    )
     args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")  # vLLM's cli_args.py refuses it too
     config = EngineConfig(
         model=args.model,
         engines=args.engines,
@@ -85,5 +106,9 @@ def parse_flags(argv: list[str] | None, *, description: str | None) -> tuple[arg
         partial_utf8=not args.no_partial_utf8,
         token_ids=args.token_ids,
         merge_steps=max(1, args.merge_steps),
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_tokens=max(1, args.reasoning_tokens),
     )
     return args, config

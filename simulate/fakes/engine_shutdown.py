@@ -27,9 +27,12 @@ import asyncio
 import json
 from collections.abc import Sequence
 
+import structlog
 from aiohttp import web
 
 from simulate.fakes.openai_format import DONE, Job, Output, Stream
+
+log = structlog.get_logger()
 
 ENDINGS = ("abort", "error", "hang")
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -107,3 +110,33 @@ async def client_gone(request: web.Request, *, poll_s: float = 0.05) -> None:
     """Returns once the client has closed the connection: a stream that hangs notices nothing else."""
     while request.transport is not None and not request.transport.is_closing():
         await asyncio.sleep(poll_s)
+
+
+async def end_stream(
+    fault: str, request: web.Request, response: web.StreamResponse, job: Job, out: Stream, *, generated: int
+) -> bool:
+    """End this stream with ``fault`` after ``generated`` tokens; True when the stream is over. ``abort``,
+    ``error`` and ``hang`` are also how vLLM ends its open streams on SIGTERM (see above)."""
+    log.info("engine.fault", request=out.id, fault=fault, generated=generated)
+    if fault == "drop":  # the TCP connection goes, as when the node or the process vanishes
+        if request.transport is not None:
+            request.transport.abort()
+        return True
+    if fault == "abort":  # what vLLM streams for a request it aborted (finish_reason "abort"), then usage, [DONE]
+        for index in range(job.n):
+            await response.write(out.token("", [], finish="abort", stop=None, prompt_ids=None, index=index))
+        if job.include_usage:
+            await response.write(out.usage(len(job.prompt_ids), generated))
+    elif fault == "error":  # vLLM's streaming error event when its engine core died, then [DONE]
+        await response.write(ERROR_EVENT)
+    elif fault == "garbage":
+        await response.write(b"<html>502 Bad Gateway</html>\r\n\x00\xff\n\n")
+    elif fault == "hang":  # no more bytes, the connection open, until the client goes away
+        await client_gone(request)
+        return True
+    else:
+        return False
+    if fault != "garbage":
+        await response.write(DONE)
+    await response.write_eof()
+    return True

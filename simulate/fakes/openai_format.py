@@ -82,12 +82,15 @@ class Stream:
         stop: str | None,
         prompt_ids: list[int] | None,
         index: int = 0,
+        delta: dict[str, Any] | None = None,
     ) -> bytes:
-        """One engine step of choice ``index``: its text, and ``finish_reason`` when it is the last."""
+        """One engine step of choice ``index``: its text (or, from a chat's parsers, its ``delta``), and
+        ``finish_reason`` when it is the last."""
         token_ids = ids if self.token_ids else None
         choice: dict[str, Any]
         if self.chat:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            delta = {"content": text} if delta is None else delta
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             if finish is not None:
                 choice["stop_reason"] = stop
             choice["token_ids"] = token_ids
@@ -100,9 +103,13 @@ class Stream:
             chunk["system_fingerprint"] = FINGERPRINT
         return sse(chunk)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage(self, prompt_tokens: int, completion_tokens: int, *, reasoning_tokens: int | None = None) -> bytes:
+        """The usage chunk; with a reasoning parser, its count of reasoning tokens (``_make_completion_tokens_details``
+        in the chat server: set only where ``--reasoning-parser`` is)."""
         chunk = self._envelope([])
         chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        if reasoning_tokens is not None:
+            chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         chunk["system_fingerprint"] = FINGERPRINT
         return sse(chunk)
 
@@ -176,6 +183,9 @@ class Job:
     token_ids: bool
     role: str  # the chat role of the reply
     n: int = 1  # choices, each its own generation
+    skip_special_tokens: bool = True
+    tools: bool = False  # tools offered (given, and tool_choice not "none")
+    include_reasoning: bool = True
 
 
 def _stop(body: dict[str, Any]) -> frozenset[str]:
@@ -189,7 +199,8 @@ def _stop(body: dict[str, Any]) -> frozenset[str]:
     raise _wrong_type("stop", "a valid string or a valid list")
 
 
-def _prompt_ids(body: dict[str, Any], *, chat: bool) -> tuple[list[int], str]:
+def _prompt_ids(body: dict[str, Any], *, chat: bool, thinking: bool = False) -> tuple[list[int], str]:
+    from simulate.fakes import thinking as model
     from simulate.fakes.tokens import ChatError, render_chat, tokenize
 
     if chat:
@@ -197,12 +208,19 @@ def _prompt_ids(body: dict[str, Any], *, chat: bool) -> tuple[list[int], str]:
         if not isinstance(messages, list):
             raise _wrong_type("messages", "a valid list")
         add_generation_prompt = bool(body.get("add_generation_prompt", True))
+        continue_final_message = bool(body.get("continue_final_message", False))
         try:
-            text = render_chat(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=bool(body.get("continue_final_message", False)),
-            )
+            if thinking:
+                text = model.render(
+                    messages,
+                    tools=model.tools_of(body.get("tools")),
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+            else:
+                text = render_chat(
+                    messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+                )
         except ChatError as error:
             raise InvalidRequest(str(error)) from None
         return tokenize(text), "assistant" if add_generation_prompt else str(messages[-1]["role"])
@@ -224,9 +242,12 @@ def token_id_prompt(body: dict[str, Any]) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(isinstance(i, int) for i in prompt)
 
 
-def read_job(body: Any, *, chat: bool, max_model_len: int, token_ids: str = "returned") -> Job:
+def read_job(
+    body: Any, *, chat: bool, max_model_len: int, token_ids: str = "returned", parsers: ChatParsers | None = None
+) -> Job:
     """The generation a body asks for; raises InvalidRequest where vLLM answers 400 (and, with ``token_ids``
-    "refused", where a server that forbids unknown fields refuses ``return_token_ids``).
+    "refused", where a server that forbids unknown fields refuses ``return_token_ids``). With ``parsers`` the chat
+    is the thinking model's (simulate/fakes/thinking.py).
 
     Defaults follow vLLM: completions ``max_tokens`` 16; chat ``max_completion_tokens`` (else ``max_tokens``), else
     what is left of the model's context.
@@ -235,7 +256,7 @@ def read_job(body: Any, *, chat: bool, max_model_len: int, token_ids: str = "ret
         raise InvalidRequest("the body must be a JSON object")
     if token_ids == "refused" and "return_token_ids" in body:
         raise InvalidRequest("return_token_ids: extra inputs are not permitted", param="return_token_ids")
-    prompt_ids, role = _prompt_ids(body, chat=chat)
+    prompt_ids, role = _prompt_ids(body, chat=chat, thinking=parsers is not None)
     room = max(0, max_model_len - len(prompt_ids))
     limit = body.get("max_completion_tokens") if chat else None
     limit = body.get("max_tokens") if limit is None else limit
@@ -270,7 +291,27 @@ def read_job(body: Any, *, chat: bool, max_model_len: int, token_ids: str = "ret
         token_ids=token_ids == "returned" and bool(body.get("return_token_ids", False)),
         role=role,
         n=n,
+        **_parsed(body, chat=chat, parsers=parsers),
     )
+
+
+@dataclass(frozen=True)
+class ChatParsers:
+    """The engine's ``--reasoning-parser`` and ``--tool-call-parser`` (with ``--enable-auto-tool-choice``)."""
+
+    reasoning: str | None
+    tools: str | None
+
+
+def _parsed(body: dict[str, Any], *, chat: bool, parsers: ChatParsers | None) -> dict[str, bool]:
+    """What the request's parsers make of it: their ``adjust_request`` turns ``skip_special_tokens`` off for qwen3
+    (vllm/parser/engine/parser_engine.py) and for hermes with tools offered (hermes_tool_parser.py)."""
+    skip = body.get("skip_special_tokens", True) is not False
+    tools = chat and bool(body.get("tools")) and body.get("tool_choice", "auto") != "none"
+    if chat and parsers is not None and (parsers.reasoning == "qwen3" or (parsers.tools == "hermes" and tools)):
+        skip = False
+    shown = body.get("include_reasoning") is not False
+    return {"skip_special_tokens": skip, "tools": tools, "include_reasoning": shown}
 
 
 def _greedy(body: dict[str, Any]) -> bool:

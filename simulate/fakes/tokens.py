@@ -44,6 +44,21 @@ _MASK = (1 << 64) - 1
 _HELD = "\ufffd"
 
 
+# The thinking template's tokens (simulate/fakes/thinking.py), one id each, above every prompt piece's id: ChatML's
+# turns, the reasoning and Hermes' tool-call markers, and the tool signatures' block. As on Hermes 2 Pro's tokenizer,
+# the turns and the tool-call markers are special (left out of the text under ``skip_special_tokens``, which is why
+# vllm/tool_parsers/hermes_tool_parser.py ``adjust_request`` turns it off); ``<think>`` and ``</think>`` are not, as
+# on DeepSeek-R1's and Qwen3's (and simulate/vllm/transcripts.py's thinking model).
+MARKERS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tools>", "</tools>")
+MARKER_BASE = len(VOCAB) + _PROMPT_ID_SPACE
+MARKER_IDS = {text: MARKER_BASE + index for index, text in enumerate(MARKERS)}
+SPECIAL_IDS = frozenset(MARKER_IDS[m] for m in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"))
+# One token per byte, as a byte-level BPE's base alphabet: the tool calls' JSON is generated in them, and the tool
+# signatures in the prompt are read in them, so the model can read them back from the prompt's ids.
+BYTE_BASE = MARKER_BASE + 64
+_MARKER = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")
+
+
 def token_id(piece: str) -> int:
     known = _IDS.get(piece)
     if known is not None:
@@ -51,19 +66,44 @@ def token_id(piece: str) -> int:
     return len(VOCAB) + zlib.crc32(piece.encode()) % _PROMPT_ID_SPACE
 
 
+def byte_ids(text: str) -> list[int]:
+    return [BYTE_BASE + b for b in text.encode()]
+
+
 def tokenize(text: str) -> list[int]:
-    """Pieces are an optional space and a run of non-space characters, or one whitespace character."""
-    return [token_id(piece) for piece in _PIECE.findall(text)]
+    """Pieces are an optional space and a run of non-space characters, or one whitespace character; a marker is one
+    token, and what ``<tools>`` and ``</tools>`` enclose is bytes."""
+    ids: list[int] = []
+    in_tools = False
+    for part in _MARKER.split(text):
+        if part in MARKER_IDS:
+            ids.append(MARKER_IDS[part])
+            in_tools = part == "<tools>"
+        elif in_tools:
+            ids += byte_ids(part)
+        else:
+            ids += [token_id(piece) for piece in _PIECE.findall(part)]
+    return ids
 
 
-def bytes_of(ids: Iterable[int]) -> bytes:
+def _bytes(token: int, *, skip_special: bool) -> bytes:
+    if 0 <= token < len(VOCAB):
+        return VOCAB[token]
+    if BYTE_BASE <= token < BYTE_BASE + 256:
+        return bytes([token - BYTE_BASE])
+    if MARKER_BASE <= token < MARKER_BASE + len(MARKERS) and not (skip_special and token in SPECIAL_IDS):
+        return MARKERS[token - MARKER_BASE].encode()
+    return b""
+
+
+def bytes_of(ids: Iterable[int], *, skip_special: bool = False) -> bytes:
     """The bytes of generated ids (prompt ids outside the vocabulary have none and are skipped)."""
-    return b"".join(VOCAB[i] for i in ids if 0 <= i < len(VOCAB))
+    return b"".join(_bytes(i, skip_special=skip_special) for i in ids)
 
 
-def text_of(ids: Iterable[int]) -> str:
+def text_of(ids: Iterable[int], *, skip_special: bool = False) -> str:
     """The text of generated ids, decoded as a whole (bytes that make no character become U+FFFD)."""
-    return bytes_of(ids).decode(errors="replace")
+    return bytes_of(ids, skip_special=skip_special).decode(errors="replace")
 
 
 class Detokenizer:
@@ -76,12 +116,13 @@ class Detokenizer:
     measured: prompt ids ending after an empty-text token, first chunk "the node drains*stream\ufffdprompt").
     """
 
-    def __init__(self, prompt_ids: Iterable[int] = ()) -> None:
-        prompt = bytes_of(prompt_ids)
+    def __init__(self, prompt_ids: Iterable[int] = (), *, skip_special: bool = True) -> None:
+        self.skip_special = skip_special
+        prompt = bytes_of(prompt_ids, skip_special=skip_special)
         self.pending = prompt if prompt.decode(errors="replace").endswith(_HELD) else b""
 
     def step(self, token: int) -> str:
-        self.pending += bytes_of([token])
+        self.pending += bytes_of([token], skip_special=self.skip_special)
         text = self.pending.decode(errors="replace")
         if text.endswith(_HELD):
             return ""
