@@ -16,6 +16,7 @@ from pathlib import Path
 from types import TracebackType
 
 from simulate.baselines import SEED_READINESS, SPOTDRAIN, Readiness, Way, adapted, shell
+from simulate.chats import Chats
 from simulate.fakes.imds import FakeImds, Served, serving
 from simulate.fakes.kube import FakeKube
 from simulate.fakes.processes import engine_args, free_port, sidecar_args, wait_http
@@ -208,7 +209,7 @@ class Cluster:
 
         if self.settings.engine == "vllm":
             return await self._start_vllm(name, port), report
-        args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s), *extra)
+        args = engine_args(port, "--tokens-per-second", str(self.settings.tokens_per_s), *self.chat_flags(), *extra)
         ending = self.scenario.sigterm_ending(self.pod_names.index(name)) if name in self.pod_names else None
         if ending is not None:
             args += ["--sigterm-ending", ending]
@@ -250,12 +251,23 @@ class Cluster:
         await self.start_engine(name, port)
         self.spare_ports[name] = port
 
+    def chats(self) -> Chats | None:
+        """The scenario's chats, reasoning for longer than the notice; None: plain streams."""
+        return Chats.lasting(self.timings.notice_s, self.settings.tokens_per_s) if self.scenario.chats else None
+
+    def chat_flags(self) -> tuple[str, ...]:
+        """The engines' parsers, for a scenario of chats (the fake engine's flags are vLLM's)."""
+        return chats.engine_flags() if (chats := self.chats()) is not None else ()
+
     async def start_gateway(self, backend_url: str) -> str:
         """``spotdrain gateway`` in front of ``backend_url`` (the router, standing for the Service); its URL."""
         port, metrics_port = self.port(), self.port()
         flags = {"--host": "127.0.0.1", "--port": port, "--metrics-port": metrics_port, "--backend": backend_url}
         flags |= {"--health-interval": 0.2}
         args = [text for flag, value in flags.items() for text in (flag, str(value))]
+        args += (
+            Chats.gateway_flags() if self.scenario.chats else ()
+        )  # the backends' parsers, as deploy/gateway names them
         listener = note_taker(self.recorder, "gateway", gateway_note)
         await self.procs.start(
             "gateway", ["-m", "spotdrain.cli", "--log-format", "json", "gateway", *args], listener=listener

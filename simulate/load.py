@@ -2,7 +2,9 @@
 
 Each slot opens a stream, reads it to its end, and opens the next, until the router refuses one (503: no pod in
 rotation, where a real Service would send the request to another node); then the slot stops. Every stream is
-recorded: completed (every token and ``[DONE]``), cut (ended early), or refused.
+recorded: completed (every token and ``[DONE]``), cut (ended early), or refused. With ``chats`` the streams are chats
+of a thinking model (simulate/chats.py), and one is completed only where it assembles to the message of its
+uninterrupted stream.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 
+from simulate.chats import Chats, assemble, differences
 from simulate.router import POD_HEADER, REQUEST_HEADER
 from simulate.timeline import Outcome, Recorder, StreamRecord
 
@@ -27,9 +30,18 @@ Hops = Mapping[str, Sequence[tuple[float, str]]]  # the router's record: request
 
 class Load:
     def __init__(
-        self, url: str, recorder: Recorder, *, slots: int, length_s: Length, tokens_per_s: float, hops: Hops
+        self,
+        url: str,
+        recorder: Recorder,
+        *,
+        slots: int,
+        length_s: Length,
+        tokens_per_s: float,
+        hops: Hops,
+        chats: Chats | None = None,
     ) -> None:
         self.url = url
+        self.chats = chats
         self.hops = hops
         self.recorder = recorder
         self.slots = slots
@@ -68,18 +80,22 @@ class Load:
         done = False
         finish: str | None = None
         # Token ids count the tokens: chunks do not, since vLLM merges a character's bytes into one chunk.
-        body = {"prompt": f"slot {slot}", "max_tokens": wanted, "stream": True, "return_token_ids": True}
+        body: dict[str, object] = {"prompt": f"slot {slot}", "max_tokens": wanted, "stream": True}
+        body["return_token_ids"] = True
         name = str(next(self._names))
+        path, lines = "/v1/completions", []
+        if self.chats is not None:
+            wanted = self.chats.max_tokens(wanted)
+            path, body = "/v1/chat/completions", self.chats.body(slot=slot, name=name, max_tokens=wanted)
         try:
-            async with session.post(
-                f"{self.url}/v1/completions", json=body, headers={REQUEST_HEADER: name}
-            ) as response:
+            async with session.post(f"{self.url}{path}", json=body, headers={REQUEST_HEADER: name}) as response:
                 if response.status != 200:  # 503 from the router: no pod in rotation
                     refusal = next(self._refusal_ids)
                     return StreamRecord(refusal, slot, None, started, self.recorder.now(), wanted, 0, Outcome.REFUSED)
                 stream_id = next(self._stream_ids)
                 pod = response.headers.get(POD_HEADER)
                 async for raw in response.content:
+                    lines.append(raw)
                     line = parse_line(raw)
                     received += line.tokens
                     done = done or line.done
@@ -87,8 +103,11 @@ class Load:
         except (aiohttp.ClientError, ConnectionResetError) as error:
             # The stream broke off: whatever arrived is all there is.
             log.info("load.stream_broke", slot=slot, pod=pod, received=received, error=repr(error))
-        # A stream that ends in a stop (vLLM's end-of-sequence token) is whole however long it was.
-        whole = done and (finish == "stop" or (finish == "length" and received == wanted))
+        if self.chats is not None:
+            received, finish, differs = self._judged(lines, body, slot=slot)
+            done = done and not differs
+        # A stream that ends in a stop (vLLM's end-of-sequence token, or a tool call's) is whole however long it was.
+        whole = done and (finish in ("stop", "tool_calls") or (finish == "length" and received == wanted))
         outcome = Outcome.COMPLETED if whole else Outcome.CUT
         stream_id = stream_id or next(self._stream_ids)  # it broke off before any answer: a stream cut, as before
         # Through the gateway a continued stream is routed again, under the same name: where it moved, and when.
@@ -96,6 +115,15 @@ class Load:
         moves = tuple((at, to) for (_, before), (at, to) in itertools.pairwise(routed) if to != before)
         ended = self.recorder.now()
         return StreamRecord(stream_id, slot, pod, started, ended, wanted, received, outcome, moves=moves)
+
+    def _judged(self, lines: list[bytes], body: dict[str, object], *, slot: int) -> tuple[int, str | None, bool]:
+        """A chat's tokens and finish reason, and whether its message differs from the uninterrupted one's."""
+        assert self.chats is not None
+        assembly = assemble(lines)
+        got, want = assembly.message(), self.chats.expected(body)
+        if got != want and assembly.finish_reason is not None:
+            log.warning("load.chat_differs", slot=slot, parts=differences(got, want))
+        return assembly.tokens, assembly.finish_reason, got != want
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class Router:
         response = web.StreamResponse(headers={POD_HEADER: backend.name, "Content-Type": "text/event-stream"})
         try:
             async with self._session.post(
-                f"{backend.engine_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                f"{backend.engine_url}{request.path}", data=body, headers={"Content-Type": "application/json"}
             ) as upstream:
                 response.set_status(upstream.status)
                 await response.prepare(request)
@@ -96,6 +96,22 @@ class Router:
                 return web.json_response({"error": {"message": f"{backend.name} unreachable"}}, status=502)
             response.force_close()
         return response
+
+    async def tokenizer(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize and /detokenize on a pod in rotation (the gateway asks them when it continues a chat the
+        engines parse): not a stream, so neither counted nor recorded as one."""
+        assert self._session is not None
+        backend = self.choose()
+        if backend is None:
+            return web.json_response({"error": {"message": "no pod in rotation"}}, status=503)
+        body = await request.read()
+        try:
+            async with self._session.post(
+                f"{backend.engine_url}{request.path}", data=body, headers={"Content-Type": "application/json"}
+            ) as upstream:
+                return web.Response(status=upstream.status, body=await upstream.read(), content_type="application/json")
+        except (aiohttp.ClientError, ConnectionResetError):
+            return web.json_response({"error": {"message": f"{backend.name} unreachable"}}, status=502)
 
     async def health(self, _: web.Request) -> web.Response:
         """The router itself is up (the gateway in front of it asks); which pods are ready is its own business."""
@@ -129,6 +145,9 @@ class Router:
         rotation, which is after the router accepts requests."""
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_post("/tokenize", self.tokenizer)
+        app.router.add_post("/detokenize", self.tokenizer)
         app.router.add_get("/health", self.health)
         runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
         # Connections are closed after each request, so none idles on an engine's port between streams.

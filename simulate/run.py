@@ -152,6 +152,7 @@ async def _play(
             tasks.start(nth_style(cluster.nth_target(), recorder, scale=t.scale), "nth-style")
         tokens_per_s, paced = await _tokens_per_s(settings, cluster)
         load = _load(settings, scenario, recorder, router_url=router_url, hops=router.hops, tokens_per_s=tokens_per_s)
+        load.chats = cluster.chats()  # a scenario of chats: each judged by the message it assembles to
         shape = f"{settings.pods} pods x {settings.streams_per_pod}"
         via = "the gateway and the router" if settings.gateway else "the router"
         text = f"{load.slots} concurrent streams through {via} ({shape}){paced}"

@@ -12,19 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from simulate.chat_checks import reasoning_streams, reasoning_through_gateway
+from simulate.check import Check as Check  # where the report and the runs take it
+from simulate.check import check as _check
 from simulate.summary import ColdStart, PodSummary, Summary
 
 
 class Profile(enum.Enum):
     SHORT = "short"  # every stream fits well inside the drain window
     MIXED = "mixed"  # every other slot opens streams far longer than the deadline
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    detail: str
 
 
 Checks = Callable[[Summary], list[Check]]
@@ -47,6 +43,10 @@ class Scenario:
     # --sigterm-ending: vLLM's abort, error or hang); empty: the fake's default.
     sigterm_endings: tuple[str, ...] = ()
     cold_start: bool = False  # a replacement node joins, hydrates its model from S3 and serves a first token
+    # The streams are chats of a thinking model served with vLLM's parsers (simulate/chats.py), judged by the message
+    # they assemble to; with the gateway, ``gateway_checks`` are added to its own.
+    chats: bool = False
+    gateway_checks: Checks | None = None
 
     def sigterm_ending(self, pod: int) -> str | None:
         return self.sigterm_endings[pod % len(self.sigterm_endings)] if self.sigterm_endings else None
@@ -64,10 +64,6 @@ def stream_seconds(
         return rng.uniform(1.5, 2.0) * notice_s
     top = 0.3 if profile is Profile.MIXED else 0.4
     return rng.uniform(0.1, top) * window_s
-
-
-def _check(name: str, passed: bool, detail: str) -> Check:
-    return Check(name, passed, detail)
 
 
 def _common(s: Summary) -> list[Check]:
@@ -353,6 +349,18 @@ SCENARIOS: dict[str, Scenario] = {
             _cold_start,
             cold_start=True,
         ),
+        Scenario(
+            "reasoning-streams",
+            "Spot interruption; half the streams are chats that reason for longer than the deadline, half of those "
+            "then call tools (vLLM's deepseek_r1 and hermes parsers)",
+            "without the gateway the long chats are cut; through it each is continued and assembles to the "
+            "uninterrupted stream's message",
+            Profile.MIXED,
+            1,
+            reasoning_streams,
+            chats=True,
+            gateway_checks=reasoning_through_gateway,
+        ),
     )
 }
 
@@ -381,6 +389,8 @@ def judge(scenario: Scenario, summary: Summary, *, gateway: bool = False) -> tup
             checks.append(_check("the lost node's streams continued elsewhere", summary.continued > 0, detail))
         if scenario.cold_start:
             checks += replacement_checks(summary)
+        if scenario.gateway_checks is not None:
+            checks += scenario.gateway_checks(summary)
         return tuple(checks)
     if scenario.lose_node:  # the sidecars died with the node: they report nothing, and nothing drains
         return tuple(scenario.checks(summary))

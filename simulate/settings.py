@@ -27,6 +27,7 @@ SCENARIO_NAMES = (
     "sqs",
     "sigterm-endings",
     "cold-start",
+    "reasoning-streams",
 )
 # The scenarios another way of handling the notice can play too: a notice, and nothing that is spotdrain's own.
 COMPARABLE = ("short-streams", "long-streams", "shipped-budget", "pdb-blocks")
@@ -117,6 +118,10 @@ def from_arguments(args: argparse.Namespace) -> SimulationSettings:
     require(args.pods <= 20, "--pods must be at most 20 (each pod is two processes)")
     require(args.streams_per_pod <= 50, "--streams-per-pod must be at most 50")
     require(args.tokens_per_second > 0, "--tokens-per-second must be above 0")
+    require(
+        args.engine == "fake" or args.scenario != "reasoning-streams",
+        "--scenario reasoning-streams needs the fake engine's thinking model",
+    )
     require(
         not args.compare or args.scenario in COMPARABLE,
         f"--compare plays one of {', '.join(COMPARABLE)}: the others have no notice or play spotdrain's own parts",
