@@ -11,6 +11,7 @@ uninterrupted one's, and no stream is cut. Without the parsers' flags the gatewa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -192,3 +193,16 @@ async def test_the_fake_engine_continues_a_chat_by_its_ids_on_completions() -> N
             (rest,) = await gather_streams(url, [("/v1/completions", body)])
             assert [i for c in ids_of(rest) for i in c] == ids[n:]
             assert rest.finish_reasons == ["stop"]
+
+
+async def test_a_chat_whose_reasoning_is_hidden_is_cut_once_its_client_has_an_answer() -> None:
+    """``include_reasoning: false``: the engine sends no ids (vLLM hides them, lest they leak the reasoning), so
+    nothing says where the stream is; broken once its answer began, it is cut, and counted, not continued wrong."""
+    faulty = dataclasses.replace(parsed("deepseek_r1"), fault="drop", fault_after=REASONING_TOKENS + 6)
+    body = chat(QUESTIONS[1], tools=True) | {"include_reasoning": False}
+    async with engines(faulty, parsed("deepseek_r1")) as ports, gateway(*ports, flags=flags("deepseek_r1")) as gw:
+        (got,) = await gather_streams(gw.url(""), [(CHAT, body)])
+        hidden = await metric(gw, 'spotdrain_gateway_cuts_total{reason="reasoning_hidden"}')
+    assert hidden == 1
+    assert got.done == 0 or got.errors
+    assert not any((c.get("delta") or {}).get("reasoning") for chunk in got.chunks for c in chunk.get("choices") or ())
