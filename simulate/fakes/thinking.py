@@ -28,6 +28,7 @@ from simulate.fakes.tokens import (
     ChatError,
     Context,
     byte_ids,
+    message_text,
     token_id,
 )
 
@@ -57,17 +58,6 @@ class Step:
     token: int
     kind: str
     call: int | None = None
-
-
-def _content(message: Mapping[str, Any]) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-    raise ChatError("message content must be a string or a list of parts")
 
 
 def tools_of(body_tools: Any) -> list[Tool]:
@@ -103,7 +93,7 @@ def render(
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ChatError("every message needs a role")
         end = "" if index == len(messages) - 1 and continue_final_message else "<|im_end|>\n"
-        parts.append(f"<|im_start|>{message['role']}\n{_content(message)}{end}")
+        parts.append(f"<|im_start|>{message['role']}\n{message_text(message)}{end}")
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n<think>\n")
     return "".join(parts)

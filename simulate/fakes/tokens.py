@@ -153,7 +153,8 @@ class ChatError(ValueError):
     """A chat request the template cannot render (vLLM answers these with a 400)."""
 
 
-def _content(message: Mapping[str, Any]) -> str:
+def message_text(message: Mapping[str, Any]) -> str:
+    """A chat message's text, as a template renders it."""
     content = message.get("content")
     if content is None:
         return ""
@@ -183,7 +184,7 @@ def render_chat(
             raise ChatError("every message needs a role")
         last = index == len(messages) - 1
         end = "" if last and continue_final_message else "<|end|>\n"
-        parts.append(f"<|{message['role']}|>\n{_content(message)}{end}")
+        parts.append(f"<|{message['role']}|>\n{message_text(message)}{end}")
     if add_generation_prompt:
         parts.append("<|assistant|>\n")
     return "".join(parts)
