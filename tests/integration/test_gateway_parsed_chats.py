@@ -193,6 +193,16 @@ async def test_the_fake_engine_continues_a_chat_by_its_ids_on_completions() -> N
             (rest,) = await gather_streams(url, [("/v1/completions", body)])
             assert [i for c in ids_of(rest) for i in c] == ids[n:]
             assert rest.finish_reasons == ["stop"]
+        # The call's markers are special tokens here, as on Hermes 2 Pro: their text only where the request keeps
+        # special tokens, as the chat's parsers had it (hermes' adjust_request) and the gateway's continuation asks.
+        start = ids.index(TOOL_START)
+        texts = {}
+        for skip in (True, False):
+            body = {"prompt": prompt + ids[:start], "max_tokens": 1000, "stream": True, "skip_special_tokens": skip}
+            (rest,) = await gather_streams(url, [("/v1/completions", body)])
+            texts[skip] = rest.text
+        assert texts[False].startswith("<tool_call>\n{")
+        assert texts[True] == texts[False].replace("<tool_call>", "").replace("</tool_call>", "")
 
 
 async def test_a_chat_whose_reasoning_is_hidden_is_cut_once_its_client_has_an_answer() -> None:
