@@ -32,9 +32,9 @@ CHAT = "/v1/chat/completions"
 SPLICE = ": spotdrain: continued"  # the comment the gateway writes where a continuation starts
 IN_CALLS = ("name", "arguments", "call", "between_calls")  # call: the proxy-drop tests' label
 AHEAD = 4  # tokens a stream may get past where its client saw it when the server ends: the gateway relays them
-# Streams per chat ended before their calls (reasoning-only chats, and those with calls, cut before them) and inside
-# them: at least 20 of each path continued, as the client's stream shows.
-BEFORE_CALLS, INSIDE_CALLS = 8, 10
+# Streams per chat ended before their calls (reasoning-only chats, and those with calls, cut before them), and of all
+# chats ended inside them: at least 20 of each path continued, as the client's stream shows.
+BEFORE_CALLS, INSIDE_CALLS = 8, 30
 
 
 def request(t: Transcript, name: str, *, asks_ids: bool = False) -> tuple[str, dict[str, Any]]:
@@ -156,16 +156,22 @@ def spread(low: int, high: int, count: int) -> list[int]:
 
 def planned(references: dict[str, Streamed]) -> list[Wave]:
     """Reasoning-only chats over the middle half of their tokens; chats with calls over most of their reasoning and
-    answer, and in the first half of their calls (a break is seen a few tokens late); the farthest first."""
+    answer, and over the middle half of the tokens where their client has a call and the stream is AHEAD tokens or
+    more from its finish, more streams where those are more (two calls' window is several times one call's, so
+    where streams start a few tokens off, many of them are still inside at one moment); the farthest first."""
+    places_of = {t.name: places(references[t.name]) for t in TRANSCRIPTS}
+    inside = {name: (first, total - 1 - AHEAD) for name, (total, first) in places_of.items() if first is not None}
+    widths = sum(last - first for first, last in inside.values())
     waves = []
     for t in TRANSCRIPTS:
-        total, first = places(references[t.name])
+        total, first = places_of[t.name]
         if first is None:
             waves += [Wave(t, n) for n in spread(total // 4, total * 3 // 4, BEFORE_CALLS)]
         else:
-            rest = total - first
+            last = inside[t.name][1]
+            count = max(3, round(INSIDE_CALLS * (last - first) / widths))
             waves += [Wave(t, n) for n in spread(first // 4, first * 7 // 8, BEFORE_CALLS)]
-            waves += [Wave(t, n) for n in spread(first + rest // 8, first + rest // 2, INSIDE_CALLS)]
+            waves += [Wave(t, n) for n in spread((3 * first + last) // 4, (first + 3 * last) // 4, count)]
     return sorted(waves, key=lambda w: -w.at)
 
 
