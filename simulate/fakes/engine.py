@@ -36,7 +36,7 @@ from simulate.fakes.openai_format import (
     read_job,
     token_id_prompt,
 )
-from simulate.fakes.reasoning_frames import ChatFrames, Parsers
+from simulate.fakes.reasoning_frames import ChatFrames, Parsers, parsed
 from simulate.fakes.thinking import END_OF_TURN, continuation
 from simulate.fakes.tokens import Context, Detokenizer
 
@@ -136,6 +136,8 @@ class FakeEngine:
                 if finish is not None:
                     ends[index] = (finish, stop)
         outputs = [Output("".join(t), f, s, i) for t, (f, s), i in zip(texts, ends, ids, strict=True)]
+        if out.chat and self.config.thinking:  # the parsers' message, not the text
+            outputs = [parsed(self._frames(job).parsers, o) for o in outputs]
         return out.whole(outputs, prompt_ids=job.prompt_ids)
 
     async def _steps(self, job: Job, *, engine: int) -> AsyncGenerator[tuple[int, int, str, str | None, str | None]]:

@@ -122,7 +122,8 @@ class Stream:
         body.update(service_tier=None, system_fingerprint=FINGERPRINT)
         generated = sum(len(o.ids) for o in outputs)
         body["usage"] = {**usage(len(prompt_ids), generated), "prompt_tokens_details": None}
-        body["usage"]["completion_tokens_details"] = None
+        counted = [o.reasoning_tokens for o in outputs if o.reasoning_tokens is not None]
+        body["usage"]["completion_tokens_details"] = {"reasoning_tokens": sum(counted)} if counted else None
         if self.chat:
             body.update(prompt_logprobs=None, prompt_token_ids=prompt_ids if self.token_ids else None, prompt_text=None)
         body.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
@@ -131,7 +132,14 @@ class Stream:
     def _whole_choice(self, index: int, output: Output, prompt_ids: list[int]) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         ids = output.ids if self.token_ids else None
-        if self.chat:
+        if self.chat and output.parsed is not None:  # ChatMessage: empty tool_calls left out, reasoning last
+            parsed, finish = output.parsed, "tool_calls" if output.parsed["tool_calls"] else output.finish
+            message = {"role": "assistant", "content": parsed["content"], **dict.fromkeys(CHAT_MESSAGE_NULLS[:-1])}
+            choice["message"] = message | ({"tool_calls": parsed["tool_calls"]} if parsed["tool_calls"] else {})
+            choice["message"]["reasoning"] = parsed["reasoning"]
+            choice.update(logprobs=None, finish_reason=finish, stop_reason=output.stop)
+            choice.update(token_ids=None if parsed["hidden"] else ids, routed_experts=None)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": output.text, **dict.fromkeys(CHAT_MESSAGE_NULLS)}
             choice.update(logprobs=None, finish_reason=output.finish, stop_reason=output.stop)
             choice.update(token_ids=ids, routed_experts=None)
@@ -150,6 +158,10 @@ class Output:
     finish: str
     stop: str | None
     ids: list[int]
+    # From a chat's parsers (reasoning_frames.whole): the message's fields instead of the text as content, and the
+    # reasoning tokens the usage counts.
+    parsed: dict[str, Any] | None = None
+    reasoning_tokens: int | None = None
 
 
 CHAT_MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")

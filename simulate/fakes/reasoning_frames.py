@@ -21,6 +21,9 @@ tests/engines/test_reasoning_frames.py measured it on real vLLM:
 - the finish is ``tool_calls`` once a call was streamed and the model stopped, and the usage counts
   ``completion_tokens_details.reasoning_tokens`` as the reasoning parser does (deepseek_r1: tokens between a
   ``<think>`` and a ``</think>`` both generated, none here; qwen3: tokens before the ``</think>``).
+
+Not streamed, the chat's message is what ``DelegatingParser.parse`` makes of the whole text (``whole``). One engine
+step a chunk: the deltas of steps merged into one chunk, as a loaded vLLM sends them, are not modelled here.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from simulate.fakes.openai_format import Stream
+from simulate.fakes.openai_format import Output, Stream
 from simulate.fakes.thinking import THINK_END, THINK_START
 
 Delta = dict[str, Any]
@@ -186,15 +190,59 @@ class ChatFrames:
         return "tool_calls" if self.tools_streamed and reason == "stop" else reason
 
     def reasoning_tokens(self) -> int:
-        if self.parsers.reasoning == "qwen3":
-            return self.generated.index(THINK_END) if THINK_END in self.generated else len(self.generated)
-        count = depth = 0
-        for token in self.generated:
-            if token in (THINK_START, THINK_END):
-                depth = depth + 1 if token == THINK_START else max(0, depth - 1)
-            elif depth:
-                count += 1
-        return count
+        return reasoning_tokens(self.parsers, self.generated)
+
+
+def reasoning_tokens(parsers: Parsers, generated: Sequence[int]) -> int:
+    """``count_reasoning_tokens``: qwen3's, those before the end; deepseek_r1's, those between generated markers
+    (vllm/reasoning/basic_parsers.py)."""
+    if parsers.reasoning == "qwen3":
+        return generated.index(THINK_END) if THINK_END in generated else len(generated)
+    count = depth = 0
+    for token in generated:
+        if token in (THINK_START, THINK_END):
+            depth = depth + 1 if token == THINK_START else max(0, depth - 1)
+        elif depth:
+            count += 1
+    return count
+
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # Hermes2ProToolParser's
+
+
+def whole(parsers: Parsers, text: str) -> dict[str, Any]:
+    """A whole (not streamed) chat's message fields, as ``DelegatingParser.parse`` splits its text: the reasoning
+    up to ``</think>`` (all of it without one; ``BaseThinkingReasoningParser.extract_reasoning``), content after it
+    (None if empty), and with tools offered Hermes' calls (``extract_tool_calls``), the content then what precedes
+    the first one, None where that is only white space (``_extract_tool_calls``)."""
+    reasoning, content, calls = None, text or None, []
+    if parsers.reasoning is not None:
+        before, opened, after = text.partition("<think>")
+        text = after if opened else before
+        reasoning, ended, rest = text.partition("</think>")
+        content = (rest or None) if ended else None
+    if parsers.tools is not None and parsers.tools_offered and content and TOOL_START in content:
+        try:
+            found = [json.loads(a or b) for a, b in _CALL.findall(content)]
+            calls = [_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in found]
+        except (ValueError, KeyError, TypeError):
+            calls = []  # vLLM logs it and gives the text as it is
+        if calls:
+            content = content[: content.find(TOOL_START)] or None
+            content = None if content is not None and not content.strip() else content
+    hidden = not parsers.include_reasoning
+    return {"content": content, "reasoning": None if hidden else reasoning, "tool_calls": calls, "hidden": hidden}
+
+
+def _call(name: str, arguments: str) -> Delta:
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"chatcmpl-tool-{secrets.token_hex(8)}", "type": "function", "function": function}
+
+
+def parsed(parsers: Parsers, output: Output) -> Output:
+    """A whole chat's output with the parsers' message, and its reasoning tokens where a reasoning parser counts."""
+    counted = reasoning_tokens(parsers, output.ids) if parsers.reasoning is not None else None
+    return replace(output, parsed=whole(parsers, output.text), reasoning_tokens=counted)
 
 
 def _without_reasoning(delta: Delta) -> Delta | None:

@@ -181,3 +181,25 @@ async def test_tokenize_and_detokenize_answer_as_vllms(real: VllmServer, fake: s
         assert text == {"prompt": "<think></think><tool_call>"}, name
     assert said["fake"] == said["real"]
     assert json.dumps(said["fake"][0]) == '["count", "max_model_len", "token_strs", "tokens"]'
+
+
+async def test_a_whole_chat_answers_with_the_parsers_message_as_vllms(real: VllmServer, fake: str) -> None:
+    """Not streamed: the message's reasoning, content and calls (each with its id and its arguments as a JSON
+    string), the finish reason and the usage's reasoning tokens, in the same shape."""
+    for t in CHATS:
+        answers = {}
+        for name, server in both(real, fake).items():
+            request = chat_body(t, model=server.model, return_token_ids=True)
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,
+                session.post(server.url + "/v1/chat/completions", json=request) as answer,
+            ):
+                answers[name] = await answer.json()
+        shape = {n: keys({k: v for k, v in a.items() if k not in ("id", "created")}) for n, a in answers.items()}
+        assert shape["fake"] == shape["real"], t.name
+        for name, answer in answers.items():
+            choice = answer["choices"][0]
+            assert choice["finish_reason"] == ("tool_calls" if t.calls else "stop"), name
+            calls = choice["message"].get("tool_calls") or []
+            assert [json.loads(c["function"]["arguments"]) is not None for c in calls] == [True] * len(t.calls), name
+            assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}, name

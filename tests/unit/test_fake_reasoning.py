@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulate.fakes.openai_format import Stream
-from simulate.fakes.reasoning_frames import ChatFrames, Parsers, _Calls
+from simulate.fakes.reasoning_frames import ChatFrames, Parsers, _Calls, whole
 from simulate.fakes.thinking import (
     END_OF_TURN,
     THINK_END,
@@ -172,3 +172,21 @@ def test_hermes_names_a_call_once_then_streams_all_its_arguments_however_the_tex
     got = assembled(deltas)
     assert got["content"] == content
     assert got["calls"] == {0: {"name": "get_weather", "arguments": json.dumps(arguments), "ids": 1}}
+
+
+def test_a_whole_chats_message_is_split_as_the_parsers_split_a_complete_output() -> None:
+    parsers = Parsers("deepseek_r1", "hermes", tools_offered=True)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Lima"}}\n</tool_call>'
+    got = whole(parsers, f" a b</think>\n\n answer\n{call}")
+    assert (got["reasoning"], got["content"]) == (" a b", "\n\n answer\n")
+    assert [c["function"] for c in got["tool_calls"]] == [{"name": "get_time", "arguments": '{"zone": "Lima"}'}]
+    assert whole(parsers, f" a</think>\n\n{call}")["content"] is None  # only white space before the call
+    assert whole(parsers, " still thinking") == {
+        "content": None,
+        "reasoning": " still thinking",
+        "tool_calls": [],
+        "hidden": False,
+    }
+    assert whole(Parsers("deepseek_r1", "hermes", tools_offered=False), f" a</think>{call}")["content"] == call
+    hidden = whole(Parsers("qwen3", "hermes", tools_offered=True, include_reasoning=False), " a</think> b")
+    assert (hidden["reasoning"], hidden["content"], hidden["hidden"]) == (None, " b", True)
