@@ -7,20 +7,15 @@ its uninterrupted stream (the load records a chat that does not as cut: simulate
 
 from __future__ import annotations
 
-from simulate.check import Check, check
+from simulate.check import Check, all_gone, check
 from simulate.summary import Summary
-
-
-def _all_gone(s: Summary) -> Check:
-    left = [p.name for p in s.pods if p.gone_at is None]
-    return check("every pod gone", not left, f"left: {', '.join(left)}" if left else "all pods left the node")
 
 
 def reasoning_streams(s: Summary) -> list[Check]:
     return [
         check("chats reasoning past the deadline are cut", s.cut > 0, f"{s.cut} cut"),
         check("short chats still complete", s.completed > 0, f"{s.completed} completed intact"),
-        _all_gone(s),
+        all_gone(s),
     ]
 
 

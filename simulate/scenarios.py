@@ -14,6 +14,7 @@ from functools import partial
 
 from simulate.chat_checks import reasoning_streams, reasoning_through_gateway
 from simulate.check import Check as Check  # where the report and the runs take it
+from simulate.check import all_gone
 from simulate.check import check as _check
 from simulate.summary import ColdStart, PodSummary, Summary
 
@@ -82,11 +83,6 @@ def _none_cut(s: Summary) -> Check:
     return _check("no stream cut", s.cut == 0, f"{s.cut} of {s.started} cut")
 
 
-def _all_gone(s: Summary) -> Check:
-    left = [p.name for p in s.pods if p.gone_at is None]
-    return _check("every pod gone", not left, f"left: {', '.join(left)}" if left else "all pods left the node")
-
-
 def _short_streams(s: Summary) -> list[Check]:
     late = [p.name for p in s.pods if p.out_before_eviction is False]
     evicted = sum(p.evicted_at is not None for p in s.pods)
@@ -103,7 +99,7 @@ def _long_streams(s: Summary) -> list[Check]:
     return [
         _check("long streams are cut at the deadline", s.cut > 0, f"{s.cut} cut"),
         _check("short streams still complete", s.completed > 0, f"{s.completed} completed intact"),
-        _all_gone(s),
+        all_gone(s),
     ]
 
 
@@ -149,7 +145,7 @@ def _agent_restart(s: Summary) -> list[Check]:
             "logged node.already_marked" if s.already_marked else "no",
         ),
         _none_cut(s),
-        _all_gone(s),
+        all_gone(s),
     ]
 
 
@@ -162,7 +158,7 @@ def _sqs(s: Summary) -> list[Check]:
     return [
         _check("message deleted", s.message_deleted is True, f"queue empty: {s.message_deleted}"),
         _check("node cordoned and drained", drained, "yes" if drained else "no"),
-        _all_gone(s),
+        all_gone(s),
         _none_cut(s),
     ]
 
@@ -197,7 +193,7 @@ def _sigterm_endings(s: Summary, *, endings: tuple[str, ...]) -> list[Check]:
     return [
         *(_ending_check(pod, endings[index % len(endings)]) for index, pod in enumerate(s.pods)),
         _check("short streams still complete", s.completed > 0, f"{s.completed} completed intact"),
-        _all_gone(s),
+        all_gone(s),
     ]
 
 
@@ -377,7 +373,7 @@ def _through_gateway(s: Summary) -> list[Check]:
             f"sidecars reported {s.cut_reported} cut, the gateway continued {s.continued}",
         ),
         _check("short streams still complete", s.completed > 0, f"{s.completed} completed intact"),
-        _all_gone(s),
+        all_gone(s),
     ]
 
 

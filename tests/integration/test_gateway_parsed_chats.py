@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import tests.engines.cut_proxy as proxies
+from simulate.chats import TOOLS
 from simulate.fakes.engine import EngineConfig
 from simulate.fakes.sse_client import Streamed
 from simulate.fakes.thinking import THINK_END, TOOL_END, TOOL_START
@@ -30,23 +31,6 @@ from tests.gateway_harness import FAST_TOKENS_PER_S, engines, gateway, metric
 
 CHAT = "/v1/chat/completions"
 REASONING_TOKENS = 40
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}},
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
-        },
-    },
-]
 SPREAD = 6  # cut points per chat spread over its tokens, besides those at its markers
 
 
