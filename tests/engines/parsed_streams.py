@@ -155,9 +155,10 @@ def spread(low: int, high: int, count: int) -> list[int]:
 
 
 def planned(references: dict[str, Streamed]) -> list[Wave]:
-    """Reasoning-only chats over the middle half of their tokens; chats with calls over most of their reasoning and
-    answer, and over the middle half of the tokens where their client has a call and the stream is AHEAD tokens or
-    more from its finish, more streams where those are more (two calls' window is several times one call's, so
+    """Reasoning-only chats over the middle half of their tokens; chats with calls over the later half of their
+    reasoning and their answer (so the last waves start well before the end, and the spare has time to turn
+    ready), and over the middle half of the tokens where their client has a call and the stream is AHEAD tokens
+    or more from its finish, more streams where those are more (two calls' window is several times one call's, so
     where streams start a few tokens off, many of them are still inside at one moment); the farthest first."""
     places_of = {t.name: places(references[t.name]) for t in TRANSCRIPTS}
     inside = {name: (first, total - 1 - AHEAD) for name, (total, first) in places_of.items() if first is not None}
@@ -170,7 +171,7 @@ def planned(references: dict[str, Streamed]) -> list[Wave]:
         else:
             last = inside[t.name][1]
             count = max(3, round(INSIDE_CALLS * (last - first) / widths))
-            waves += [Wave(t, n) for n in spread(first // 4, first * 7 // 8, BEFORE_CALLS)]
+            waves += [Wave(t, n) for n in spread(first // 2, first * 7 // 8, BEFORE_CALLS)]
             waves += [Wave(t, n) for n in spread((3 * first + last) // 4, (first + 3 * last) // 4, count)]
     return sorted(waves, key=lambda w: -w.at)
 

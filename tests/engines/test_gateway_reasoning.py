@@ -55,7 +55,8 @@ PER_TRANSCRIPT = 14  # cut points per transcript and parser, spread over its tok
 MARKER_TEXT = {"think_end": "</think>", "tool_start": "<tool_call>", "tool_end": "</tool_call>"}
 READY = "spotdrain_gateway_backends_ready"
 # Streams to be inside a call when a server ends, by their measured lags, or the waves are started again (once): a
-# stall of the loaded machine while they start (seconds, now and then) leaves them too close together.
+# stall of the loaded machine (seconds, now and then) while they start leaves them too close together, and one while
+# the spare turns ready leaves them past their calls.
 PLACED, ATTEMPTS = 24, 2
 
 
@@ -194,27 +195,27 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
     stream left open) while its streams are reasoning, answering, naming a call, writing its arguments, between two
     calls: each continued on the spare, as tests/engines/test_gateway_vllm.py's plain streams are."""
     serving, spare = live(parsed[parser].servers, 2)
-    # Both asked once first: a server's first chats take it seconds longer, which would bunch the waves up.
-    want, _ = await asyncio.gather(uninterrupted(serving), uninterrupted(spare))
+    # From the server the waves start on: a server's first chats take it seconds longer, which would bunch them up.
+    want = await uninterrupted(serving)
     waves = planned(want)
     # A SIGTERM'ed server refuses or answers 500 while it stops, and the spare turns ready only then: a few more tries.
     more = ("--migration-limit", "6") if ending == "sigterm" else ()
     async with readiness(2) as (ready, urls):
-        ready[1] = False  # every stream starts on the first server
+        ready[1] = False
         flags = ("--ready-url", urls[0], "--ready-url", urls[1], *more, *parsed[parser].flags())
         async with gateway(serving.port, spare.port, flags=flags) as gw:
-            await until(gw, READY, 1)
             for attempt in range(1, ATTEMPTS + 1):
+                ready[1] = False  # every stream starts on the first server
+                await until(gw, READY, 1)
                 async with AsyncExitStack() as stack:
                     streams = await in_waves(gw, waves, f"{parser}-{ending}-{attempt}", stack)
                     await started(streams, tokens=1)
-                    now, (end, inside) = tokens(streams[0]), best_end(waves, streams, want)
-                    if inside < PLACED and attempt < ATTEMPTS:
-                        continue  # a stall bunched the waves up: these end whole, and the waves start again
                     if ending == "sigkill":
                         ready[1] = True  # the spare takes requests before the server goes
                         await until(gw, READY, 2)
-                        now, (end, inside) = tokens(streams[0]), best_end(waves, streams, want)
+                    now, (end, inside) = tokens(streams[0]), best_end(waves, streams, want)
+                    if inside < PLACED and attempt < ATTEMPTS:
+                        continue  # a stall bunched the waves up: these end whole, and the waves start again
                     await reached(streams[0], end)
                     if ending == "sigkill":
                         serving.kill()  # SIGKILL of its process group
