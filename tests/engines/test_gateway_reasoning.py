@@ -71,7 +71,8 @@ class Parsed:
 
 @pytest.fixture(scope="module")
 def parsed(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Parsed]]:
-    """Each parser on three servers, all started at once: the proxy's and the spare, one to kill, one to stop."""
+    """Each parser on three servers, all started at once: the first serves the proxies and is then killed, the
+    second is its spare and is then stopped, the third is the stopped one's spare."""
     log_dir = tmp_path_factory.mktemp("parsed")
     with ThreadPoolExecutor(len(PARSERS)) as pool:
         futures = {p: pool.submit(_started, 3, thinking_vllm_model, log_dir / p, (p, *TOOLS)) for p in PARSERS}
