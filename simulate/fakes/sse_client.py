@@ -15,6 +15,7 @@ class Streamed:
     status: int
     chunks: list[dict[str, Any]] = field(default_factory=list)  # every JSON event, in order
     comments: list[str] = field(default_factory=list)
+    comments_at: list[int] = field(default_factory=list)  # how many JSON events had come before each comment
     done: int = 0  # how many data: [DONE] lines
     cut: bool = False  # the connection ended without [DONE]
     arrivals: list[float] = field(default_factory=list)  # monotonic time of each JSON event
@@ -53,6 +54,7 @@ class Streamed:
 
 def _line(streamed: Streamed, line: str) -> None:
     if line.startswith(":"):
+        streamed.comments_at.append(len(streamed.chunks))
         streamed.comments.append(line)
     elif line == "data: [DONE]":
         streamed.done += 1

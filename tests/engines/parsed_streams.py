@@ -1,12 +1,12 @@
 """Chats that reason and call tools, streamed through the gateway: what their client assembles, and where a break fell.
 
-A client of the ``openai`` package assembles a stream with ``ChatCompletionStreamState``: ``message`` does that, and
-``check`` compares it with the uninterrupted stream's. For a server ended (SIGKILL, SIGTERM) under many streams,
-``in_waves`` starts them so that the end finds many inside a tool call: greedy streams of one chat on one vLLM
-advance a token a step together (one batch), so a stream started ``n`` tokens after another is ``n`` tokens behind it
-from then on. Each stream is started when the lead one (the first, asking for its token ids: the clock) is as far
-ahead of it as the test wants it to be behind when the server ends. Where a break fell is then read from the stream
-itself: what its client had received before the splice comment (``broken_at``), never from the plan.
+Whether a stream assembles to the uninterrupted one's is tests/chat_messages.py's ``same_chat``. For a server ended
+(SIGKILL, SIGTERM) under many streams, ``in_waves`` starts them so that the end finds many inside a tool call:
+greedy streams of one chat on one vLLM advance a token a step together (one batch), so a stream started ``n`` tokens
+after another is ``n`` tokens behind it from then on. Each stream is started when the lead one (the first, asking
+for its token ids: the clock) is as far ahead of it as the test wants it to be behind when the server ends. Where a
+break fell is then read from the stream itself: what its client had received before the splice comment
+(``broken_at``), never from the plan.
 """
 
 from __future__ import annotations
@@ -17,9 +17,6 @@ from bisect import bisect_right
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
-
-from openai.lib.streaming.chat import ChatCompletionStreamState
-from openai.types.chat import ChatCompletionChunk
 
 from simulate.fakes.sse_client import Streamed
 from simulate.vllm.server import VllmServer
@@ -57,62 +54,16 @@ def token_ids(streamed: Streamed) -> list[int | None]:
     return out
 
 
-def message(streamed: Streamed) -> dict[str, Any]:
-    """The message, finish reason and usage a client of the ``openai`` package assembles from the stream."""
-    state = ChatCompletionStreamState()
-    for chunk in streamed.chunks:
-        if "error" not in chunk:
-            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-    snapshot = state.current_completion_snapshot
-    choice = snapshot.choices[0]
-    usage = snapshot.usage.model_dump(exclude_none=True) if snapshot.usage else None
-    return {**choice.message.model_dump(exclude_none=True), "finish_reason": choice.finish_reason, "usage": usage}
-
-
-def named(streamed: Streamed) -> list[int]:
-    """The index of each call as it was named (a delta with an id): once each where none is named twice."""
-    deltas = [c.get("delta") or {} for chunk in streamed.chunks for c in chunk.get("choices") or ()]
-    return [call["index"] for d in deltas for call in d.get("tool_calls") or () if call.get("id")]
-
-
-def without_ids(got: dict[str, Any]) -> dict[str, Any]:
-    return {**got, "tool_calls": [{**c, "id": None} for c in got.get("tool_calls") or ()]}
-
-
-def check(got: Streamed, want: Streamed, *, what: str) -> bool:
-    """Whether the client's stream assembles to the uninterrupted one; asserts what must hold whatever the cut."""
-    assert (got.status, got.done, got.errors) == (200, 1, []), (what, got.errors, got.body[:300])
-    assert got.roles == ["assistant"], what
-    assert len(got.finish_reasons) == 1, what
-    assert named(got) == named(want), what  # every call named once: one begun before the cut kept its id
-    return without_ids(message(got)) == without_ids(message(want))
-
-
 def fractions(results: list[tuple[str, bool]]) -> dict[str, str]:
     paths = sorted({p for p, _ in results})
     return {p: f"{sum(ok for q, ok in results if q == p)}/{sum(q == p for q, _ in results)}" for p in paths}
 
 
-class Splices(list[str]):
-    """A stream's comment lines, each noted with how many events its client had by then: ``Streamed`` keeps the
-    lines alone, and what came before the first splice is where the stream broke."""
-
-    def __init__(self, events: list[dict[str, Any]]) -> None:
-        super().__init__()
-        self.events = events
-        self.at: list[int] = []
-
-    def append(self, line: str, /) -> None:
-        self.at.append(len(self.events))
-        super().append(line)
-
-
 def broken_at(t: Transcript, streamed: Streamed) -> str | None:
     """Where the stream first broke, from the deltas its client had by then: thinking, answer, a call's name (named,
     no arguments yet), its arguments, between two calls (the first's arguments whole); None if it never broke."""
-    comments = streamed.comments
-    assert isinstance(comments, Splices)
-    at = next((n for n, line in zip(comments.at, comments, strict=True) if line.startswith(SPLICE)), None)
+    pairs = zip(streamed.comments_at, streamed.comments, strict=True)
+    at = next((n for n, line in pairs if line.startswith(SPLICE)), None)
     if at is None:
         return None
     deltas = [c.get("delta") or {} for chunk in streamed.chunks[:at] for c in chunk.get("choices") or ()]
@@ -197,7 +148,6 @@ async def in_waves(gw: Running, waves: list[Wave], name: str, stack: AsyncExitSt
             await reached(streams[0], waves[0].at - wave.at)
         call = request(wave.transcript, f"{name}-{n}", asks_ids=not streams)
         (streamed,), _ = await stack.enter_async_context(through(gw, [call]))
-        streamed.comments = Splices(streamed.chunks)  # before its first event: ``through`` has not read yet
         streams.append(streamed)
     return streams
 
