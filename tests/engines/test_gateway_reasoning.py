@@ -54,9 +54,9 @@ PARSERS = ("deepseek_r1", "qwen3")
 PER_TRANSCRIPT = 14  # cut points per transcript and parser, spread over its tokens, besides those at its markers
 MARKER_TEXT = {"think_end": "</think>", "tool_start": "<tool_call>", "tool_end": "</tool_call>"}
 READY = "spotdrain_gateway_backends_ready"
-# Streams to be inside a call when a server ends, by their measured lags, or the waves are started again (twice): a
-# stall of the loaded machine (seconds, now and then) while they start leaves them too close together, and one while
-# the spare turns ready leaves them past their calls.
+# Streams to be inside a call when a server ends, by their measured lags, or the waves are started again (up to four
+# times): a stall of the loaded machine (seconds, now and then) while they start leaves them too close together, and
+# one while the spare turns ready leaves them past their calls.
 PLACED, ATTEMPTS = 24, 5
 
 
