@@ -265,9 +265,8 @@ class Cluster:
         flags = {"--host": "127.0.0.1", "--port": port, "--metrics-port": metrics_port, "--backend": backend_url}
         flags |= {"--health-interval": 0.2}
         args = [text for flag, value in flags.items() for text in (flag, str(value))]
-        args += (
-            Chats.gateway_flags() if self.scenario.chats else ()
-        )  # the backends' parsers, as deploy/gateway names them
+        if self.scenario.chats:  # the backends' parsers, as deploy/gateway names them
+            args += Chats.gateway_flags()
         listener = note_taker(self.recorder, "gateway", gateway_note)
         await self.procs.start(
             "gateway", ["-m", "spotdrain.cli", "--log-format", "json", "gateway", *args], listener=listener

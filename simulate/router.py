@@ -22,6 +22,7 @@ from simulate.timeline import Kind, Recorder
 log = structlog.get_logger()
 
 POD_HEADER = "X-Spotdrain-Pod"
+TOKENIZER_TIMEOUT_S = 5.0  # a tokenizer call is not a stream: an engine that holds one is unreachable
 # The load generator names each request; the gateway passes the header on, so a continuation reaches the router
 # under the same name and the pods a stream went through can be told (``Router.hops``).
 REQUEST_HEADER = "X-Spotdrain-Request"
@@ -107,10 +108,13 @@ class Router:
         body = await request.read()
         try:
             async with self._session.post(
-                f"{backend.engine_url}{request.path}", data=body, headers={"Content-Type": "application/json"}
+                f"{backend.engine_url}{request.path}",
+                data=body,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=TOKENIZER_TIMEOUT_S),
             ) as upstream:
                 return web.Response(status=upstream.status, body=await upstream.read(), content_type="application/json")
-        except (aiohttp.ClientError, ConnectionResetError):
+        except (aiohttp.ClientError, ConnectionResetError, TimeoutError):
             return web.json_response({"error": {"message": f"{backend.name} unreachable"}}, status=502)
 
     async def health(self, _: web.Request) -> web.Response:
