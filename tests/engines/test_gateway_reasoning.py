@@ -18,7 +18,6 @@ import asyncio
 import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from itertools import accumulate
@@ -69,22 +68,20 @@ class Parsed:
         return ("--reasoning-parser", self.parser, "--tool-call-parser", "hermes")
 
 
-@pytest.fixture(scope="module")
-def parsed(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Parsed]]:
-    """Each parser on three servers, all started at once: the first serves the proxies and is then killed, the
-    second is its spare and is then stopped, the third is the stopped one's spare."""
-    log_dir = tmp_path_factory.mktemp("parsed")
-    with ThreadPoolExecutor(len(PARSERS)) as pool:
-        futures = {p: pool.submit(_started, 3, thinking_vllm_model, log_dir / p, (p, *TOOLS)) for p in PARSERS}
-    groups = {p: f.result() for p, f in futures.items() if f.exception() is None}
+@pytest.fixture(scope="module", params=PARSERS)
+def parsed(
+    request: pytest.FixtureRequest, thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Parsed]:
+    """One parser on three servers: the first serves the proxies and is then killed, the second is its spare and is
+    then stopped, the third is the stopped one's spare. One parser's at a time: a server takes 2.4 GB here, and
+    the session's own two run meanwhile."""
+    parser: str = request.param
+    servers = _started(3, thinking_vllm_model, tmp_path_factory.mktemp(parser), (parser, *TOOLS))
     try:
-        for future in futures.values():
-            future.result()  # raises the first start that failed, once every other has stopped below
-        yield {p: Parsed(p, group) for p, group in groups.items()}
+        yield Parsed(parser, servers)
     finally:
-        for group in groups.values():
-            for server in group:
-                server.stop()
+        for server in servers:
+            server.stop()
 
 
 def _started(count: int, model: Path, log_dir: Path, args: tuple[str, ...]) -> list[VllmServer]:
@@ -149,11 +146,10 @@ async def cut_streams(gw: Running) -> float:
     return sum([await metric(gw, f'spotdrain_gateway_cuts_total{{reason="{r}"}}') for r in ("reasoning", "tool_call")])
 
 
-@pytest.mark.parametrize("parser", PARSERS)
 async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_message(
-    parsed: dict[str, Parsed], parser: str, monkeypatch: pytest.MonkeyPatch
+    parsed: Parsed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = parsed[parser].servers[0]
+    parser, server = parsed.parser, parsed.servers[0]
     ids = await marker_ids(server.url)
     want = await uninterrupted(server)
     planned = [c for t in TRANSCRIPTS for c in cuts(t, want[t.name], ids)]
@@ -165,7 +161,7 @@ async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_mes
     ):
         for (_, body), cut in zip(calls, planned, strict=True):
             first.cuts[body["user"]] = second.cuts[body["user"]] = cut.at
-        async with gateway(first_port, second_port, flags=parsed[parser].flags()) as gw:
+        async with gateway(first_port, second_port, flags=parsed.flags()) as gw:
             got = await gather_streams(gw.url(""), calls)
             cut_count = await cut_streams(gw)
     results = [
@@ -188,14 +184,13 @@ async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_mes
 
 
 @pytest.mark.parametrize("ending", ["sigkill", "sigterm"])
-@pytest.mark.parametrize("parser", PARSERS)
 async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_the_uninterrupted_message(
-    parsed: dict[str, Parsed], parser: str, ending: str
+    parsed: Parsed, ending: str
 ) -> None:
     """A server killed (SIGKILL, as a reclaimed node) or stopped (SIGTERM: vLLM's abort chunk, error event, or a
     stream left open) while its streams are reasoning, answering, naming a call, writing its arguments, between two
     calls: each continued on the spare, as tests/engines/test_gateway_vllm.py's plain streams are."""
-    serving, spare = live(parsed[parser].servers, 2)
+    parser, (serving, spare) = parsed.parser, live(parsed.servers, 2)
     # From the server the waves start on: a server's first chats take it seconds longer, which would bunch them up.
     want = await uninterrupted(serving)
     waves = planned(want)
@@ -203,7 +198,7 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
     more = ("--migration-limit", "6") if ending == "sigterm" else ()
     async with readiness(2) as (ready, urls):
         ready[1] = False
-        flags = ("--ready-url", urls[0], "--ready-url", urls[1], *more, *parsed[parser].flags())
+        flags = ("--ready-url", urls[0], "--ready-url", urls[1], *more, *parsed.flags())
         async with gateway(serving.port, spare.port, flags=flags) as gw:
             for attempt in range(1, ATTEMPTS + 1):
                 ready[1] = False  # every stream starts on the first server
