@@ -26,7 +26,6 @@ from simulate.fakes.engine_shutdown import Shutdown, aborted_at_once, end_stream
 from simulate.fakes.engine_tokenize import detokenize, tokenize
 from simulate.fakes.openai_format import (
     DONE,
-    ChatParsers,
     InvalidRequest,
     Job,
     Output,
@@ -91,7 +90,7 @@ class FakeEngine:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         config = self.config
-        parsers = ChatParsers(config.reasoning_parser, config.tool_call_parser) if config.thinking else None
+        parsers = config.chat_parsers
         try:
             body = await request.json()
             job = read_job(

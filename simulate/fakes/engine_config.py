@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from simulate.fakes.engine_shutdown import ENDINGS
+from simulate.fakes.openai_format import ChatParsers
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class EngineConfig:
     @property
     def thinking(self) -> bool:
         return self.reasoning_parser is not None or self.tool_call_parser is not None
+
+    @property
+    def chat_parsers(self) -> ChatParsers | None:
+        """The parsers a chat's prompt is rendered for; None: served without them."""
+        return ChatParsers(self.reasoning_parser, self.tool_call_parser) if self.thinking else None
 
 
 # drop: the TCP connection closes mid-stream; abort: finish_reason "abort"; error: vLLM's error event; hang: no more

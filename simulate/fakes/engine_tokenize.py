@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from simulate.fakes.engine_config import EngineConfig
-from simulate.fakes.openai_format import ChatParsers, InvalidRequest, error_body, read_job
+from simulate.fakes.openai_format import InvalidRequest, error_body, read_job
 from simulate.fakes.tokens import text_of
 from simulate.fakes.tokens import tokenize as tokens_of
 
@@ -35,7 +35,7 @@ async def tokenize(request: web.Request, *, config: EngineConfig) -> web.Respons
     if isinstance(body, web.Response):
         return body
     if "messages" in body:
-        parsers = ChatParsers(config.reasoning_parser, config.tool_call_parser) if config.thinking else None
+        parsers = config.chat_parsers
         try:
             ids = read_job(body, chat=True, max_model_len=config.max_model_len, parsers=parsers).prompt_ids
         except InvalidRequest as error:
