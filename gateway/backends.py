@@ -51,7 +51,9 @@ class Mover:
         self.moved = False
         self.cause = "proactive"
         self.heard_at: float | None = None  # monotonic time of the backend's last bytes (None: no response yet)
-        self.gap_s: float | None = None  # the backend's usual gap between reads, a moving average
+        self.reads = 0  # of the backend's bytes
+        self._gap_s: float | None = None  # the backend's usual gap between reads, a moving average...
+        self._folded = (0, 0.0)  # ...of the reads up to the first, heard at the second
         self.silence_s = silence_s  # the read timeout; None: none
         self._response: Closable | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -59,6 +61,7 @@ class Mover:
     def attach(self, response: Closable | None) -> None:
         self._response = response
         self.heard_at = None if response is None else time.monotonic()
+        self._folded = (self.reads, self.heard_at or 0.0)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -69,10 +72,20 @@ class Mover:
 
     def heard(self, now: float) -> None:
         """The backend sent bytes at ``now``."""
-        if self.heard_at is not None:
-            gap = min(now - self.heard_at, GAP_SAMPLE_MAX_S)
-            self.gap_s = gap if self.gap_s is None else self.gap_s + (gap - self.gap_s) / 8
         self.heard_at = now
+        self.reads += 1
+
+    def usual_gap(self) -> float | None:
+        """The backend's usual gap between reads (None: too few reads to tell): a moving average, each read weighing
+        an eighth, of the mean gap over the reads since the last call, so that a read costs two stores, not this."""
+        reads, since = self._folded
+        if self.heard_at is None or self.reads == reads:
+            return self._gap_s
+        count = self.reads - reads
+        gap = min((self.heard_at - since) / count, GAP_SAMPLE_MAX_S)
+        self._gap_s = gap if self._gap_s is None else gap + (self._gap_s - gap) * (7 / 8) ** count
+        self._folded = (self.reads, self.heard_at)
+        return self._gap_s
 
     def move(self, cause: str = "proactive") -> None:
         """End the backend's answer now; the stream continues elsewhere with ``cause``."""

@@ -204,9 +204,18 @@ class _Events:
         """Relay the events ``data`` completes, in one write; True where the relay must wait: the stream ended, or the
         client's buffer is full. Raises ClientGone."""
         now = time.monotonic()
-        self.mover.heard(now)
+        mover = self.mover  # what Mover.heard does, here: every read of every stream comes this way
+        mover.heard_at = now
+        mover.reads += 1
         if self.parser.idle and (out := self.splicer.by_shape(data)) is not None:
-            return self.client.send(out, now=now)  # most reads: one token chunk's event, read by the stream's shape
+            client = self.client  # most reads: one token chunk's event, read by the stream's shape
+            if client.gap_from is not None:
+                return client.send(out, now=now)
+            client.last_write = now  # what ClientStream.send does without a gap to tell
+            try:
+                return client.connection.send(out)
+            except ConnectionError as error:
+                raise ClientGone(str(error)) from None
         try:
             events = self.parser.feed(data)
         except EventTooLarge as error:

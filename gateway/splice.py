@@ -48,7 +48,7 @@ class Step:
     end: End | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Splicer:
     chat: bool
     include_usage: bool

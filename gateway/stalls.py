@@ -37,7 +37,9 @@ def stall_bound(gap_s: float | None) -> float:
 
 def stalled(movers: Iterable[Mover], now: float) -> list[Mover]:
     """The streams among ``movers`` silent past their bound (those with no response yet are not streaming)."""
-    return [m for m in movers if not m.moved and m.heard_at is not None and now - m.heard_at > stall_bound(m.gap_s)]
+    return [
+        m for m in movers if not m.moved and m.heard_at is not None and now - m.heard_at > stall_bound(m.usual_gap())
+    ]
 
 
 async def refuses_connections(url: str, *, timeout_s: float) -> bool:

@@ -4,11 +4,13 @@ relay of a backend's streamed answer, and the model fetch's ranged GETs.
 Measured with bench/gateway_peers.py, aiohttp's client was the largest part of the gateway's work per relayed chunk
 after the system calls (a request object, a response object, a stream reader with its own buffer and waiters, a
 timer moved on every read) and about a third of its memory per open stream; in the fetch (bench/cache_fetch.py) it
-was a third of its CPU. This reads one answer on a connection of its own, into a buffer every connection of the
-process shares (``asyncio.BufferedProtocol``: the socket is read into it), takes the head, and hands the body on
-decoded from its framing (chunked, ``Content-Length`` or until the close), block by block as it arrives: to a
-coroutine, or to a callback run in the read itself (the relay's way: no task switch per read); or, for a sized body,
-hands each read to a writer straight from that buffer, with no copy made in this process.
+was a third of its CPU. This reads one answer on a connection of its own, takes the head, and hands the body on decoded
+from its framing (chunked, ``Content-Length`` or until the close), block by block as it arrives: to a coroutine, or
+to a callback run in the read itself (the relay's way: no task switch per read); or, for a sized body, hands each
+read to a writer straight from a buffer every connection of the process shares (``asyncio.BufferedProtocol``: the
+socket is read into it), with no copy made in this process. A relayed stream's reads are small and many: each comes
+as the bytes the transport makes of it (``data_received``), one call into Python per read where a buffered read
+makes two.
 
 Each request asks for ``Connection: close``: an engine keeps no idle connection from the gateway, which a pod's
 sidecar would count as a client still there (the health checks close theirs for the same reason).
@@ -30,16 +32,20 @@ from multidict import CIMultiDict
 
 from spotdrain.framing import BadAnswer as BadAnswer  # raised to the callers of this module's readers
 from spotdrain.framing import Framing
-from spotdrain.http1_delivery import VIEW, Delivery
+from spotdrain.http1_delivery import Delivery
 
 MAX_HEAD_BYTES = 64 * 1024
 _DECIMAL = re.compile(r"[0-9]{1,18}")  # str.isdigit() would take "²", which int() does not
 HELD_MAX_BYTES = 128 * 1024  # read but not yet relayed, before the backend's socket is read no more
+BUFFER = bytearray(256 * 1024)  # every buffered read of the process goes here first: reads are one after another
+VIEW = memoryview(BUFFER)
 # Set by the caller on the whole request, not per read; what the framing says, when it cannot be read.
 _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encoding")
 
 
-class _Protocol(asyncio.BufferedProtocol):
+class _Protocol(asyncio.Protocol):
+    """A connection's reads, each as the bytes the transport made of it."""
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.blocks: list[bytes] = []  # a list, not a deque: an open stream holds one, and a deque is 600 bytes
@@ -47,21 +53,18 @@ class _Protocol(asyncio.BufferedProtocol):
         self.paused = False
         self.eof = False
         self.error: BaseException | None = None
-        self.sink: Callable[[memoryview], None] | None = None  # takes every read instead of ``blocks``
+        self.sink: Callable[[bytes], None] | None = None  # takes every read instead of ``blocks``
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, without being asyncio's class
 
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return VIEW
-
-    def buffer_updated(self, nbytes: int) -> None:
+    def data_received(self, data: bytes) -> None:
         if self.sink is not None:
-            self.sink(VIEW[:nbytes])  # it wakes the reader itself, once it has had all it wants
+            self.sink(data)  # it wakes the reader itself, once it has had all it wants
             return
-        self.blocks.append(bytes(VIEW[:nbytes]))
-        self.held += nbytes
+        self.blocks.append(data)
+        self.held += len(data)
         if self.held > HELD_MAX_BYTES:
             self.pause()  # the reader reads slower than the server writes: let the kernel hold the rest
         self.wake()
@@ -116,6 +119,24 @@ class _Protocol(asyncio.BufferedProtocol):
         self.held = 0
         self.resume()  # nothing is held now: the socket is read again
         return block
+
+
+class _BufferedProtocol(_Protocol, asyncio.BufferedProtocol):
+    """A connection read into the process's one buffer: ``view_sink`` takes each read from there, with no copy made
+    (``Answer.write_body``); without it, the read is copied out as bytes, as ``_Protocol`` has it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.view_sink: Callable[[memoryview], None] | None = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return VIEW
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.view_sink is not None:
+            self.view_sink(VIEW[:nbytes])
+            return
+        self.data_received(bytes(VIEW[:nbytes]))
 
 
 class Answer:
@@ -240,7 +261,7 @@ class Answer:
         protocol.blocks.clear()
         protocol.held = 0
         for at, block in enumerate(pending):
-            delivery.piece(block)
+            delivery.feed(block)
             if delivery.stops:
                 protocol.blocks += pending[at + 1 :]  # for the next call
                 break
@@ -269,7 +290,8 @@ class Answer:
 
     async def write_body(self, write: Callable[[memoryview], None], *, idle_s: float) -> None:
         """A sized body (``length``) handed to ``write`` as it is read, each piece straight from the shared buffer
-        (``write`` must be done with it when it returns). Raises ConnectionResetError where the connection ends
+        where the connection reads into it (``connect(buffered=True)``; ``write`` must be done with it when it
+        returns). Raises ConnectionResetError where the connection ends
         first, TimeoutError after ``idle_s`` without a byte, and whatever ``write`` raised."""
         assert self._length is not None
         protocol = self._protocol
@@ -295,7 +317,10 @@ class Answer:
         self._rest = b""
         protocol.blocks.clear()
         protocol.held = 0
-        protocol.sink = take
+        if isinstance(protocol, _BufferedProtocol):
+            protocol.view_sink = take
+        else:
+            protocol.sink = lambda data: take(memoryview(data))
         protocol.resume()
         try:
             while left > 0 and failed is None:
@@ -308,6 +333,8 @@ class Answer:
                     raise TimeoutError(f"no byte of the body in {idle_s} s")
         finally:
             protocol.sink = None
+            if isinstance(protocol, _BufferedProtocol):
+                protocol.view_sink = None
         if failed is not None:
             raise failed
 
@@ -326,8 +353,10 @@ def request_bytes(
     return "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body
 
 
-async def connect(url: str, *, connect_s: float, proxy: str | None = None) -> Answer:
+async def connect(url: str, *, connect_s: float, proxy: str | None = None, buffered: bool = False) -> Answer:
     """A connection to the server at ``url``; raises OSError where there is none, TimeoutError past ``connect_s``.
+    ``buffered``: read into the process's one buffer, for ``write_body`` to take each read with no copy (a model
+    fetch's large reads); else each read is the bytes the transport makes of it (a relayed stream's small ones).
 
     Through ``proxy`` (an ``http://`` proxy's URL, with its credentials if it needs them) where one is given: to an
     https server through a tunnel (``CONNECT``, then TLS with the server), to an http one with each request's target
@@ -336,12 +365,13 @@ async def connect(url: str, *, connect_s: float, proxy: str | None = None) -> An
     secure = parts.scheme == "https"
     host, port = parts.hostname or "", parts.port or (443 if secure else 80)
     loop = asyncio.get_running_loop()
+    made = _BufferedProtocol if buffered else _Protocol
     async with asyncio.timeout(connect_s):
         if proxy is None:
-            _, protocol = await loop.create_connection(_Protocol, host, port, ssl=_tls() if secure else None)
+            _, protocol = await loop.create_connection(made, host, port, ssl=_tls() if secure else None)
             return Answer(protocol, url)
         via = urlsplit(proxy)
-        _, protocol = await loop.create_connection(_Protocol, via.hostname or "", via.port or 80)
+        _, protocol = await loop.create_connection(made, via.hostname or "", via.port or 80)
         answer = Answer(protocol, url, proxy_headers=_proxy_headers(via.username, via.password))
         if secure:
             await answer.tunnel(host, port)

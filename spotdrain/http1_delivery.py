@@ -1,9 +1,8 @@
 """A chunked answer's body handed on from the reads of spotdrain.http1 as they come, in the read's own callback.
 
-Every read of the process is made into one buffer (reads are one after another); a read that is one whole chunk (a
-streaming server writes each event as one) is cut here by its size, straight from that buffer, with one copy of its
-data and no search or parse of its size line; the framing's dechunker takes only what does not start at a chunk's
-start, and, from the chunk's size, it is known where the next starts.
+A read that is one whole chunk (a streaming server writes each event as one) is cut here by its size, with one copy
+of its data and no search or parse of its size line, and handed on in the same call; the framing's dechunker takes
+only what does not start at a chunk's start, and, from the chunk's size, it is known where the next starts.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from typing import Protocol
 
 from spotdrain.framing import Framing
 
-BUFFER = bytearray(256 * 1024)  # every read of the process goes here first: reads are one after another
-VIEW = memoryview(BUFFER)
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size without extensions: int() would take "-5", "0x5" or "1_0"
 _LINE_HELD_BYTES = 64  # a chunk size line cut by a read, kept for the next; longer is the framing's to refuse
 
@@ -50,26 +47,24 @@ class Delivery:
     def stops(self) -> bool:
         return self.asked or self.framing.done or self.failed is not None
 
-    def feed(self, view: memoryview) -> None:
+    def feed(self, data: bytes) -> None:
+        """One read of the connection."""
         if self.asked or self.failed is not None or self.framing.done:  # read before the pause took
-            self.protocol.blocks.append(bytes(view))  # kept for the next delivery
+            self.protocol.blocks.append(data)  # kept for the next delivery
             return
         if self.left == 0 and not self.line:  # the read, if it is one whole chunk, by its size: no search, no parse
-            end = len(view)
+            end = len(data)
             size = end - 4 - len(b"%x" % (end - 4))
             head = b"%x\r\n" % size
-            if size > 0 and len(head) + size + 2 == end and BUFFER.startswith(head):
-                self.give(bytes(VIEW[len(head) : end - 2]))
+            if size > 0 and len(head) + size + 2 == end and data.startswith(head):
+                self.give(data[len(head) : end - 2])
                 return
-        self.deliver(BUFFER, view)
+        self.deliver(data)
 
-    def piece(self, block: bytes) -> None:
-        self.deliver(block, memoryview(block))
-
-    def deliver(self, data: bytes | bytearray, view: memoryview) -> None:
-        """Hand the body's bytes in ``view`` (``data``'s first bytes) to the consumer."""
+    def deliver(self, data: bytes) -> None:
+        """Hand the body's bytes in ``data`` to the consumer."""
         try:
-            body = self.unframe(data, view)
+            body = self.unframe(data)
         except Exception as error:  # raised to the reader, not into the event loop's transport
             self.failed = error
             body = b""
@@ -85,29 +80,30 @@ class Delivery:
             self.protocol.pause()
             self.protocol.wake()
 
-    def unframe(self, data: bytes | bytearray, view: memoryview) -> bytes:
-        """The body's bytes in ``view``, in one piece; raises BadAnswer where the framing is broken."""
-        left, end = self.left, len(view)
+    def unframe(self, data: bytes) -> bytes:
+        """The body's bytes in ``data``, in one piece; raises BadAnswer where the framing is broken."""
+        left, end = self.left, len(data)
         if left < 0:
-            return self.framing.unframe(bytes(view))
+            return self.framing.unframe(data)
         out: list[bytes | memoryview] = []
         at = 0
         if left > 0:  # the rest of a chunk the framing began
             at = min(left, end)
-            out.append(self.framing.unframe(bytes(view[:at])))
+            out.append(self.framing.unframe(data[:at]))
             self.left = left - at
         elif self.line:
-            data = self.line + bytes(view)
-            view, end, self.line = memoryview(data), len(data), b""
+            data, self.line = self.line + data, b""
+            end = len(data)
+        view = memoryview(data)
         while at < end and self.left == 0:
             line_end = data.find(b"\r\n", at, end)
             if line_end < 0 and end - at < _LINE_HELD_BYTES:
-                self.line = bytes(view[at:end])
+                self.line = data[at:end]
                 break
             size = int(data[at:line_end], 16) if line_end > at and _HEX.fullmatch(data, at, line_end) else 0
             stop = line_end + size + 4
             if size == 0 or stop > end:  # the last chunk, extensions, a broken size, or a chunk the read cut
-                out.append(self.framing.unframe(bytes(view[at:end])))
+                out.append(self.framing.unframe(data[at:end]))
                 self.left = stop - end if size else -1
                 break
             out.append(view[line_end + 2 : stop - 2])  # its CRLF not checked, as the framing does not

@@ -104,10 +104,10 @@ async def test_interim_answers_are_passed_over_for_the_final_one() -> None:
 
 
 async def delivered_read_by_read(head: bytes, reads: list[bytes], *, stop_every: int) -> bytes:
-    """The body through ``deliver``, each of ``reads`` one read of the socket as asyncio's transport makes it (a
-    BufferedProtocol's ``get_buffer``, the bytes received into it, ``buffer_updated``: docs.python.org/3/library/
-    asyncio-protocol.html#buffered-streaming-protocols), then the close; the taker asks to stop after every
-    ``stop_every``-th piece, and a read that comes before the stop takes is kept, as the transport pauses only then."""
+    """The body through ``deliver``, each of ``reads`` one read of the socket as asyncio's transport hands it on
+    (``data_received``: docs.python.org/3/library/asyncio-protocol.html#streaming-protocols), then the close; the
+    taker asks to stop after every ``stop_every``-th piece, and a read that comes before the stop takes is kept, as
+    the transport pauses only then."""
     protocol = http1._Protocol()
     protocol.blocks.append(head)
     answer = http1.Answer(protocol, "http://127.0.0.1:1")
@@ -126,8 +126,7 @@ async def delivered_read_by_read(head: bytes, reads: list[bytes], *, stop_every:
             if (read := next(left, None)) is None:
                 protocol.connection_lost(None)
             else:
-                protocol.get_buffer(len(read))[: len(read)] = read
-                protocol.buffer_updated(len(read))
+                protocol.data_received(read)
             await asyncio.sleep(0)
         if not delivery.result():
             return b"".join(pieces)
@@ -325,20 +324,28 @@ SIZED = HEAD + b"Content-Length: 10\r\n\r\n"
         ([SIZED + b"0123", b"456789 and bytes past the length"], None),
     ],
 )
+@pytest.mark.parametrize("buffered", [True, False])
 async def test_a_sized_body_is_written_straight_from_each_read_and_ends_where_its_length_does(
-    pieces: list[bytes], raised: type[Exception] | None
+    pieces: list[bytes], raised: type[Exception] | None, buffered: bool
 ) -> None:
     written: list[bytes] = []
+    shared: list[bool] = []
+
+    def write(view: memoryview) -> None:
+        written.append(bytes(view))
+        shared.append(view.obj is http1.BUFFER)
+
     async with server(lambda _: pieces) as port:
-        got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1)
+        got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1, buffered=buffered)
         await got.send("/model.safetensors?X-Amz-Signature=abc", b"", {"Range": "bytes=0-9"}, method="GET")
         assert got.length == 10
         if raised is None:
-            await got.write_body(lambda view: written.append(bytes(view)), idle_s=1)
+            await got.write_body(write, idle_s=1)
         else:
             with pytest.raises(raised):
-                await got.write_body(lambda view: written.append(bytes(view)), idle_s=0.3)
+                await got.write_body(write, idle_s=0.3)
         got.close()
+    assert any(shared) is (buffered and len(shared) > 1)  # reads into the shared buffer written from it, uncopied
     assert b"".join(written) == b"0123456789"[: sum(map(len, written))]
     if raised is None:
         assert b"".join(written) == b"0123456789"

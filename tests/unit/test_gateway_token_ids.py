@@ -249,6 +249,27 @@ def test_a_stream_counts_as_stalled_only_once_it_streams_and_past_its_bound() ->
     assert stalled([quick], now=100.0) == []
 
 
+def test_the_usual_gap_folded_at_each_stall_check_is_the_one_folded_at_each_read() -> None:
+    each, ticked = Mover(), Mover()
+    reads = [3.0 + 0.05 * step for step in range(60)]  # a slow first read (a prefill), then a read every 50 ms
+    tick = 0.2  # STALL_CHECK_S: how often the stall watcher asks
+    for mover in (each, ticked):
+        mover.heard_at = 0.0
+    for at in reads:
+        each.heard(at)
+        assert each.usual_gap() is not None
+        if at >= tick:
+            ticked.usual_gap()
+            tick += 0.2
+        ticked.heard(at)
+    assert each.usual_gap() == pytest.approx(ticked.usual_gap(), rel=0.05)
+    assert 0.05 < each.usual_gap() < 0.06  # type: ignore[operator]
+    slow = Mover()
+    slow.heard_at = 0.0
+    slow.heard(5.0)
+    assert slow.usual_gap() == 2.0  # GAP_SAMPLE_MAX_S: one long silence does not make the usual gap long
+
+
 def test_a_backend_is_going_away_when_leaving_out_of_rotation_gone_or_refusing() -> None:
     pool = Pool(["http://a:8000", "http://b:8000", "http://c:8000"], GatewayMetrics.create(CollectorRegistry()))
     a, b, c = pool.backends

@@ -117,7 +117,9 @@ async def answer_head(
     for _ in range(MAX_REDIRECTS + 1):
         parts = urlsplit(url)
         proxy = proxy_for(parts.scheme, parts.netloc)
-        answer = await http1.connect(f"{parts.scheme}://{parts.netloc}", connect_s=limits.connect_s, proxy=proxy)
+        answer = await http1.connect(
+            f"{parts.scheme}://{parts.netloc}", connect_s=limits.connect_s, proxy=proxy, buffered=True
+        )
         try:
             async with asyncio.timeout(limits.read_s):
                 target = parts.path + (f"?{parts.query}" if parts.query else "")
