@@ -47,6 +47,8 @@ class Mover:
     goes (cause ``proactive``), when it stalls on a backend that is going away (``stalled``), or when the backend
     has been silent for the read timeout (``timeout``)."""
 
+    __slots__ = ("_folded", "_gap_s", "_response", "_timer", "cause", "heard_at", "moved", "reads", "silence_s")
+
     def __init__(self, *, silence_s: float | None = None) -> None:
         self.moved = False
         self.cause = "proactive"

@@ -65,6 +65,8 @@ class Rejected:
 class ClientStream:
     """The answer to the client: its head goes out with the first backend that streams; writes are bounded."""
 
+    __slots__ = ("connection", "gap_from", "last_write", "on_gap", "started", "write_timeout_s")
+
     def __init__(self, connection: Connection, *, write_timeout_s: float, on_gap: Callable[[float], None]) -> None:
         self.connection = connection
         self.write_timeout_s = write_timeout_s

@@ -15,6 +15,8 @@ class EventTooLarge(ValueError):
 
 
 class SseParser:
+    __slots__ = ("_data", "_partial", "_size", "junk", "max_event_bytes")
+
     def __init__(self, *, max_event_bytes: int = 1 << 20) -> None:
         self.max_event_bytes = max_event_bytes
         self._partial = b""  # an unfinished line

@@ -19,6 +19,8 @@ class Framing:
 
     __slots__ = ("dechunker", "done", "left")
 
+    __slots__ = ("dechunker", "done", "left")
+
     def __init__(self, *, chunked: bool, length: int | None) -> None:
         self.dechunker = Dechunker() if chunked else None
         self.left = None if chunked else length  # of a sized body; None: chunked, or until the close
@@ -49,6 +51,8 @@ class Framing:
 class Dechunker:
     """The chunked transfer coding (RFC 9112 section 7.1) taken off a body, as its bytes come; trailers are not read
     (the connection closes after the last chunk)."""
+
+    __slots__ = ("_left", "_pending", "done")
 
     def __init__(self) -> None:
         self.done = False

@@ -46,6 +46,8 @@ _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encodin
 class _Protocol(asyncio.Protocol):
     """A connection's reads, each as the bytes the transport made of it."""
 
+    __slots__ = ("_waiter", "blocks", "eof", "error", "held", "paused", "sink", "transport")
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.blocks: list[bytes] = []  # a list, not a deque: an open stream holds one, and a deque is 600 bytes
@@ -125,6 +127,8 @@ class _BufferedProtocol(_Protocol, asyncio.BufferedProtocol):
     """A connection read into the process's one buffer: ``view_sink`` takes each read from there, with no copy made
     (``Answer.write_body``); without it, the read is copied out as bytes, as ``_Protocol`` has it."""
 
+    __slots__ = ("view_sink",)
+
     def __init__(self) -> None:
         super().__init__()
         self.view_sink: Callable[[memoryview], None] | None = None
@@ -141,6 +145,20 @@ class _BufferedProtocol(_Protocol, asyncio.BufferedProtocol):
 
 class Answer:
     """One answer: ``status`` and ``headers`` once ``send`` returned, then its body, block by block."""
+
+    __slots__ = (
+        "_chunked",
+        "_delivery",
+        "_length",
+        "_protocol",
+        "_proxy_headers",
+        "_rest",
+        "absolute",
+        "headers",
+        "reason",
+        "status",
+        "url",
+    )
 
     def __init__(self, protocol: _Protocol, url: str, *, proxy_headers: Mapping[str, str] | None = None) -> None:
         self._protocol = protocol
