@@ -111,11 +111,19 @@ class ClientStream:
         except (ConnectionError, TimeoutError) as error:
             raise ClientGone(str(error)) from None
 
-    def end(self) -> None:
+    async def end(self, last: bytes) -> None:
+        """``last`` and the stream's end, in one write (one wakeup of the client, not two), then as ``drain``; a
+        client that does not read them within the write timeout has its connection ended."""
         try:
-            self.connection.finish()
+            full = self.connection.finish(last)
         except ConnectionError as error:
             raise ClientGone(str(error)) from None
+        if full:
+            try:
+                await self.drain()
+            except ClientGone:
+                self.connection.abort()
+                raise
 
     def broke(self) -> None:
         if self.gap_from is None:

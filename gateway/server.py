@@ -207,12 +207,17 @@ class Connection(asyncio.Protocol):
             await self._writable
         self._live()
 
-    def finish(self) -> None:
-        """The stream's end."""
+    def finish(self, last: bytes = b"") -> bool:
+        """``last``, the stream's last piece, and its end, in one write; True where the client's buffer is full and
+        ``drain`` is to be awaited."""
         assert self.request is not None
+        transport = self._live()
         if self.request.chunked:
-            self._live().write(b"0\r\n\r\n")
+            transport.write((b"%x\r\n%b\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
+        elif last:
+            transport.write(last)
         self._finished = True
+        return self._writable is not None
 
     def answer(self, response: web.Response) -> None:
         """A whole answer, not streamed."""

@@ -275,8 +275,7 @@ class _Run:
         )
 
     async def _finish(self) -> tuple[None, str]:
-        await self.client.write(self.splicer.tail(), content=False)
-        self.client.end()
+        await self.client.end(self.splicer.tail())
         return None, "continued" if self.continuations else "completed"
 
     async def _cut(self, reason: str, broken: tuple[str, Broken] | None) -> tuple[web.Response | None, str]:
@@ -293,6 +292,5 @@ class _Run:
         message = f"the stream's backend failed and it cannot continue elsewhere ({reason})"
         if not self.client.started:
             return no_backend_answer(message), "cut"
-        await self.client.write(error_event(message) + b"data: [DONE]\n\n", content=False)
-        self.client.end()
+        await self.client.end(error_event(message) + b"data: [DONE]\n\n")
         return None, "cut"

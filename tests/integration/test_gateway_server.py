@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway import server as server_module
-from gateway.request import Request
+from gateway.request import Request, parse_head
 from gateway.server import Connection, Server, serve
 from simulate.fakes.processes import free_port
 
@@ -32,15 +32,15 @@ class Served:
 
 
 async def handler(served: Served, request: Request, connection: Connection) -> None:
-    """/stream: PIECES pieces of the body, each its own write; /hold: one piece, then the end once released;
-    anything else: the body back, whole."""
+    """/stream: PIECES pieces of the body, each its own write, then ``end;`` with the end; /hold: one piece, then the
+    end once released; anything else: the body back, whole."""
     served.requests.append(request)
     if request.path == "/stream":
         connection.begin({"Content-Type": "text/event-stream"})
         for index in range(PIECES):
             connection.send(b"%d:%b;" % (index, request.body))
             await asyncio.sleep(0)
-        connection.finish()
+        connection.finish(b"end;")
     elif request.path == "/hold":
         connection.begin({"Content-Type": "text/event-stream"})
         connection.send(b"held;")
@@ -129,7 +129,7 @@ async def test_a_stream_is_sent_chunked_and_the_connection_serves_the_next_reque
             assert b"Transfer-Encoding: chunked\r\n" in head
             assert b"Content-Type: text/event-stream\r\n" in head
             chunks = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
-            assert dechunk(chunks) == b"".join(b"%d:%b;" % (i, body) for i in range(PIECES))
+            assert dechunk(chunks) == b"".join(b"%d:%b;" % (i, body) for i in range(PIECES)) + b"end;"
         writer.close()
     assert [r.body for r in served.requests] == [b"a", b"bc"]
 
@@ -166,7 +166,7 @@ async def test_a_stream_asked_with_connection_close_is_still_chunked_so_a_cut_is
     head, _, body = got.partition(b"\r\n\r\n")
     assert b"Transfer-Encoding: chunked\r\n" in head
     assert b"Connection: close" in head
-    assert dechunk(body) == b"0:x;1:x;2:x;"
+    assert dechunk(body) == b"0:x;1:x;2:x;end;"
 
 
 async def test_an_http_1_0_stream_is_sent_unframed_and_ends_with_the_connection() -> None:
@@ -175,7 +175,34 @@ async def test_an_http_1_0_stream_is_sent_unframed_and_ends_with_the_connection(
     head, _, body = got.partition(b"\r\n\r\n")
     assert b"Connection: close" in head
     assert b"Transfer-Encoding" not in head
-    assert body == b"0:x;1:x;2:x;"
+    assert body == b"0:x;1:x;2:x;end;"
+
+
+class _Recorded(asyncio.Transport):
+    """A client's transport that keeps each write whole, as the socket is handed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(("version", "last_write"), [("HTTP/1.1", b"5\r\nlast;\r\n0\r\n\r\n"), ("HTTP/1.0", b"last;")])
+async def test_a_streams_last_piece_and_its_end_go_out_in_one_write(version: str, last_write: bytes) -> None:
+    server = Server(handler, refused=lambda _: None, max_body_bytes=10, body_timeout_s=1.0)  # type: ignore[arg-type]
+    connection, transport = Connection(server), _Recorded()
+    connection.connection_made(transport)
+    connection.request, _, _ = parse_head(post("/stream", b"", version=version)[:-4])
+    connection.begin({"Content-Type": "text/event-stream"})
+    connection.send(b"piece;")
+    assert connection.finish(b"last;") is False
+    connection.connection_lost(None)
+    assert transport.writes[1:] == [b"6\r\npiece;\r\n" if version == "HTTP/1.1" else b"piece;", last_write]
 
 
 @pytest.mark.parametrize(
