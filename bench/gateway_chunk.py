@@ -33,6 +33,7 @@ from gateway.splice import Splicer
 from spotdrain import http1
 from spotdrain.framing import Framing
 from spotdrain.http1_delivery import Delivery
+from spotdrain.http1_reads import Reads
 
 RATIO_TARGET = 0.6
 READER_RATIO_TARGET = 0.8
@@ -75,7 +76,7 @@ def per_read_us(*, chat: bool, shapes: bool) -> float:
 
 async def reader_us(read: bytes) -> float:
     """CPU microseconds per read of the backend's reader for ``read``, a chunked body's read, over ``READS`` reads."""
-    protocol = http1._Protocol()
+    protocol = Reads()
     protocol.blocks.append(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
     answer = http1.Answer(protocol, "http://127.0.0.1:1")
     await answer._read_head()
@@ -99,7 +100,7 @@ def cold_per_read_us(*, shapes: bool) -> float:
         splicer = Splicer(chat=False, include_usage=False, hide_ids=True, shapes=shapes)
         client = ClientStream(_Written(), write_timeout_s=1.0, on_gap=lambda _: None)  # type: ignore[arg-type]
         events = _Events(splicer, client, Mover())
-        delivery = Delivery(http1._Protocol(), events.take, Framing(chunked=True, length=None))
+        delivery = Delivery(Reads(), events.take, Framing(chunked=True, length=None))
         for index in (0, 1):  # the first chunks, parsed: a shape is learned from them
             delivery.feed(_framed(_read(index, chat=False)))
         deliveries.append(delivery)

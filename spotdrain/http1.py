@@ -25,7 +25,6 @@ import re
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from functools import cache
-from typing import cast
 from urllib.parse import unquote, urlsplit
 
 from multidict import CIMultiDict
@@ -33,114 +32,12 @@ from multidict import CIMultiDict
 from spotdrain.framing import BadAnswer as BadAnswer  # raised to the callers of this module's readers
 from spotdrain.framing import Framing
 from spotdrain.http1_delivery import Delivery
+from spotdrain.http1_reads import BufferedReads, Reads
 
 MAX_HEAD_BYTES = 64 * 1024
 _DECIMAL = re.compile(r"[0-9]{1,18}")  # str.isdigit() would take "²", which int() does not
-HELD_MAX_BYTES = 128 * 1024  # read but not yet relayed, before the backend's socket is read no more
-BUFFER = bytearray(256 * 1024)  # every buffered read of the process goes here first: reads are one after another
-VIEW = memoryview(BUFFER)
 # Set by the caller on the whole request, not per read; what the framing says, when it cannot be read.
 _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encoding")
-
-
-class _Protocol(asyncio.Protocol):
-    """A connection's reads, each as the bytes the transport made of it."""
-
-    __slots__ = ("_waiter", "blocks", "eof", "error", "held", "paused", "sink", "transport")
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.blocks: list[bytes] = []  # a list, not a deque: an open stream holds one, and a deque is 600 bytes
-        self.held = 0  # bytes in ``blocks``
-        self.paused = False
-        self.eof = False
-        self.error: BaseException | None = None
-        self.sink: Callable[[bytes], None] | None = None  # takes every read instead of ``blocks``
-        self._waiter: asyncio.Future[None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, without being asyncio's class
-
-    def data_received(self, data: bytes) -> None:
-        if self.sink is not None:
-            self.sink(data)  # it wakes the reader itself, once it has had all it wants
-            return
-        self.blocks.append(data)
-        self.held += len(data)
-        if self.held > HELD_MAX_BYTES:
-            self.pause()  # the reader reads slower than the server writes: let the kernel hold the rest
-        self.wake()
-
-    def eof_received(self) -> bool:
-        self.eof = True
-        self.wake()
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.eof = True
-        self.error = self.error or exc
-        self.wake()
-
-    def wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def wait(self, timeout_s: float | None = None) -> None:
-        """Until woken (a read, the end of the connection), or TimeoutError after ``timeout_s``."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._waiter
-        finally:
-            self._waiter = None
-
-    def pause(self) -> None:
-        if not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-
-    def resume(self) -> None:
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
-
-    async def next_block(self) -> bytes | None:
-        """Every byte read since the last call, as one block, or None once the connection has ended."""
-        while not self.blocks:
-            if self.eof:
-                if self.error is not None:
-                    raise ConnectionResetError(str(self.error) or type(self.error).__name__)
-                return None
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        block = self.blocks[0] if len(self.blocks) == 1 else b"".join(self.blocks)
-        self.blocks.clear()
-        self.held = 0
-        self.resume()  # nothing is held now: the socket is read again
-        return block
-
-
-class _BufferedProtocol(_Protocol, asyncio.BufferedProtocol):
-    """A connection read into the process's one buffer: ``view_sink`` takes each read from there, with no copy made
-    (``Answer.write_body``); without it, the read is copied out as bytes, as ``_Protocol`` has it."""
-
-    __slots__ = ("view_sink",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.view_sink: Callable[[memoryview], None] | None = None
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return VIEW
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.view_sink is not None:
-            self.view_sink(VIEW[:nbytes])
-            return
-        self.data_received(bytes(VIEW[:nbytes]))
 
 
 class Answer:
@@ -160,7 +57,7 @@ class Answer:
         "url",
     )
 
-    def __init__(self, protocol: _Protocol, url: str, *, proxy_headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, protocol: Reads, url: str, *, proxy_headers: Mapping[str, str] | None = None) -> None:
         self._protocol = protocol
         self.url = url
         self.absolute = False  # each request's target a whole URL: an http server's, asked through a proxy
@@ -335,7 +232,7 @@ class Answer:
         self._rest = b""
         protocol.blocks.clear()
         protocol.held = 0
-        if isinstance(protocol, _BufferedProtocol):
+        if isinstance(protocol, BufferedReads):
             protocol.view_sink = take
         else:
             protocol.sink = lambda data: take(memoryview(data))
@@ -351,7 +248,7 @@ class Answer:
                     raise TimeoutError(f"no byte of the body in {idle_s} s")
         finally:
             protocol.sink = None
-            if isinstance(protocol, _BufferedProtocol):
+            if isinstance(protocol, BufferedReads):
                 protocol.view_sink = None
         if failed is not None:
             raise failed
@@ -383,7 +280,7 @@ async def connect(url: str, *, connect_s: float, proxy: str | None = None, buffe
     secure = parts.scheme == "https"
     host, port = parts.hostname or "", parts.port or (443 if secure else 80)
     loop = asyncio.get_running_loop()
-    made = _BufferedProtocol if buffered else _Protocol
+    made = BufferedReads if buffered else Reads
     async with asyncio.timeout(connect_s):
         if proxy is None:
             _, protocol = await loop.create_connection(made, host, port, ssl=_tls() if secure else None)

@@ -9,22 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Protocol
 
 from spotdrain.framing import Framing
+from spotdrain.http1_reads import Reads
 
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size without extensions: int() would take "-5", "0x5" or "1_0"
 _LINE_HELD_BYTES = 64  # a chunk size line cut by a read, kept for the next; longer is the framing's to refuse
-
-
-class Reads(Protocol):
-    """The connection's side (spotdrain.http1's protocol): reads kept for later, and reading paused or woken."""
-
-    blocks: list[bytes]
-
-    def pause(self) -> None: ...
-
-    def wake(self) -> None: ...
 
 
 class Delivery:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from simulate.fakes.processes import free_port
 from spotdrain import http1
+from spotdrain.http1_reads import BUFFER, Reads
 
 Reader = Callable[[http1.Answer], Awaitable[bytes]]
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Request-Id: abc\r\nX-Twice: 1\r\nX-Twice: 2\r\n"
@@ -37,7 +38,7 @@ def split(data: bytes, cuts: list[int]) -> list[bytes]:
 
 def answer_of(blocks: list[bytes], *, closed: bool = True) -> http1.Answer:
     """An answer whose connection has already brought ``blocks`` (and ended, when ``closed``)."""
-    protocol = http1._Protocol()
+    protocol = Reads()
     protocol.blocks.extend(blocks)
     protocol.eof = closed
     return http1.Answer(protocol, "http://127.0.0.1:1")
@@ -108,7 +109,7 @@ async def delivered_read_by_read(head: bytes, reads: list[bytes], *, stop_every:
     (``data_received``: docs.python.org/3/library/asyncio-protocol.html#streaming-protocols), then the close; the
     taker asks to stop after every ``stop_every``-th piece, and a read that comes before the stop takes is kept, as
     the transport pauses only then."""
-    protocol = http1._Protocol()
+    protocol = Reads()
     protocol.blocks.append(head)
     answer = http1.Answer(protocol, "http://127.0.0.1:1")
     await answer._read_head()
@@ -333,7 +334,7 @@ async def test_a_sized_body_is_written_straight_from_each_read_and_ends_where_it
 
     def write(view: memoryview) -> None:
         written.append(bytes(view))
-        shared.append(view.obj is http1.BUFFER)
+        shared.append(view.obj is BUFFER)
 
     async with server(lambda _: pieces) as port:
         got = await http1.connect(f"http://127.0.0.1:{port}", connect_s=1, buffered=buffered)
