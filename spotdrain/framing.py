@@ -19,8 +19,6 @@ class Framing:
 
     __slots__ = ("dechunker", "done", "left")
 
-    __slots__ = ("dechunker", "done", "left")
-
     def __init__(self, *, chunked: bool, length: int | None) -> None:
         self.dechunker = Dechunker() if chunked else None
         self.left = None if chunked else length  # of a sized body; None: chunked, or until the close

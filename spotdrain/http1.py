@@ -206,8 +206,8 @@ class Answer:
     async def write_body(self, write: Callable[[memoryview], None], *, idle_s: float) -> None:
         """A sized body (``length``) handed to ``write`` as it is read, each piece straight from the shared buffer
         where the connection reads into it (``connect(buffered=True)``; ``write`` must be done with it when it
-        returns). Raises ConnectionResetError where the connection ends
-        first, TimeoutError after ``idle_s`` without a byte, and whatever ``write`` raised."""
+        returns). Raises ConnectionResetError where the connection ends first, TimeoutError after ``idle_s`` without
+        a byte, and whatever ``write`` raised."""
         assert self._length is not None
         protocol = self._protocol
         left = self._length
