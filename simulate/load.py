@@ -1,10 +1,12 @@
 """The load generator: a fixed number of concurrent streams through the router, each of its own length.
 
 Each slot opens a stream, reads it to its end, and opens the next, until the router refuses one (503: no pod in
-rotation, where a real Service would send the request to another node); then the slot stops. Every stream is
-recorded: completed (every token and ``[DONE]``), cut (ended early), or refused. With ``chats`` the streams are chats
-of a thinking model (simulate/chats.py), and one is completed only where it assembles to the message of its
-uninterrupted stream.
+rotation, where a real Service would send the request to another node); then the slot stops. The slots' first
+streams open one after another, each once the one before has its answer's head, so that the router spreads them
+over the pods in slot order (which the scenarios' stream lengths count on) however the requests would otherwise
+race. Every stream is recorded: completed (every token and ``[DONE]``), cut (ended early), or refused. With
+``chats`` the streams are chats of a thinking model (simulate/chats.py), and one is completed only where it
+assembles to the message of its uninterrupted stream.
 """
 
 from __future__ import annotations
@@ -61,17 +63,31 @@ class Load:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session, asyncio.TaskGroup() as group:
+            opened = [asyncio.Event() for _ in range(self.slots)]
             for slot in range(self.slots):
-                group.create_task(self._slot(session, slot), name=f"load-slot-{slot}")
+                after = opened[slot - 1] if slot else None
+                group.create_task(self._slot(session, slot, after, opened[slot]), name=f"load-slot-{slot}")
 
-    async def _slot(self, session: aiohttp.ClientSession, slot: int) -> None:
-        while not self.stopping.is_set():
-            record = await self._one(session, slot)
+    async def _slot(
+        self, session: aiohttp.ClientSession, slot: int, after: asyncio.Event | None, opened: asyncio.Event
+    ) -> None:
+        """The slot's streams; its first once ``after`` is set (the slot before it has its head), setting ``opened``
+        once it has its own."""
+        if after is not None:
+            await after.wait()
+        try:
+            record = await self._one(session, slot, opened)
+        finally:
+            opened.set()
+        while True:
             self.recorder.stream(record)
-            if record.outcome is Outcome.REFUSED:
+            if record.outcome is Outcome.REFUSED or self.stopping.is_set():
                 return
+            record = await self._one(session, slot)
 
-    async def _one(self, session: aiohttp.ClientSession, slot: int) -> StreamRecord:
+    async def _one(
+        self, session: aiohttp.ClientSession, slot: int, opened: asyncio.Event | None = None
+    ) -> StreamRecord:
         wanted = max(1, round(self.length_s(slot) * self.tokens_per_s))
         started = self.recorder.now()
         stream_id = 0
@@ -89,6 +105,8 @@ class Load:
             path, body = "/v1/chat/completions", self.chats.body(slot=slot, name=name, max_tokens=wanted)
         try:
             async with session.post(f"{self.url}{path}", json=body, headers={REQUEST_HEADER: name}) as response:
+                if opened is not None:
+                    opened.set()
                 if response.status != 200:  # 503 from the router: no pod in rotation
                     refusal = next(self._refusal_ids)
                     return StreamRecord(refusal, slot, None, started, self.recorder.now(), wanted, 0, Outcome.REFUSED)

@@ -43,6 +43,37 @@ async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() 
     assert subjects == {"new request"}
 
 
+async def test_the_slots_first_streams_reach_the_router_one_after_another_in_slot_order() -> None:
+    """The scenarios' stream lengths count on the router spreading the slots' first streams over the pods in slot
+    order: each slot's first request comes only once the one before it has its head, however slow that head is."""
+    events: list[tuple[str, int]] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        slot = int((await request.json())["prompt"].split()[1])
+        events.append(("asked", slot))
+        if slot == 0:
+            await asyncio.sleep(0.3)  # a head slow to come: the other slots' requests would come first
+        response = web.StreamResponse(headers={POD_HEADER: f"vllm-{slot}"})
+        await response.prepare(request)
+        events.append(("answered", slot))
+        await response.write(b'data: {"choices":[{"text":" t"}]}\n\ndata: [DONE]\n\n')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    recorder = Recorder(asyncio.get_running_loop().time)
+    async with serving_app(app) as port:
+        load = Load(f"http://127.0.0.1:{port}", recorder, slots=4, length_s=lambda _: 0.05, tokens_per_s=20, hops={})
+        task = asyncio.create_task(load.run())
+        while ("answered", 3) not in events:
+            await asyncio.sleep(0.01)
+        load.stopping.set()
+        await asyncio.wait_for(task, 5)
+    asked = [events.index(("asked", slot)) for slot in range(4)]
+    answered = [events.index(("answered", slot)) for slot in range(4)]
+    assert all(answered[slot - 1] < asked[slot] for slot in range(1, 4)), events
+
+
 async def test_after_a_cut_stream_the_next_request_is_answered_not_lost_on_the_closed_connection() -> None:
     """The router ends a cut stream as a complete chunked answer without ``[DONE]`` and closes the connection: the
     slot's next request must reach the router (and be refused, no pod being left) rather than fail on that
