@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
@@ -12,6 +14,22 @@ from simulate.load import PACE_TOKENS, Load, Unpaced, pace
 from simulate.router import POD_HEADER
 from simulate.timeline import Kind, Outcome, Recorder
 from tests.conftest import serving_app
+
+Completions = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def loading(completions: Completions, *, slots: int, length_s: float) -> AsyncIterator[tuple[Load, Recorder]]:
+    """A router on 127.0.0.1 answering ``/v1/completions`` with ``completions``, and a load of ``slots`` in front of
+    it, each stream meant to last ``length_s`` at 20 tokens a second, with its recorder."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    recorder = Recorder(asyncio.get_running_loop().time)
+    async with serving_app(app) as port:
+        load = Load(
+            f"http://127.0.0.1:{port}", recorder, slots=slots, length_s=lambda _: length_s, tokens_per_s=20, hops={}
+        )
+        yield load, recorder
 
 
 async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() -> None:
@@ -30,11 +48,7 @@ async def test_the_load_numbers_streams_as_they_are_routed_and_refusals_apart() 
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    recorder = Recorder(asyncio.get_running_loop().time)
-    async with serving_app(app) as port:
-        load = Load(f"http://127.0.0.1:{port}", recorder, slots=2, length_s=lambda _: 0.1, tokens_per_s=20, hops={})
+    async with loading(completions, slots=2, length_s=0.1) as (load, recorder):
         await load.run()
     streams = sorted(r.id for r in recorder.streams if r.outcome is not Outcome.REFUSED)
     refusals = sorted(r.id for r in recorder.streams if r.outcome is Outcome.REFUSED)
@@ -59,11 +73,7 @@ async def test_the_slots_first_streams_reach_the_router_one_after_another_in_slo
         await response.write(b'data: {"choices":[{"text":" t"}]}\n\ndata: [DONE]\n\n')
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    recorder = Recorder(asyncio.get_running_loop().time)
-    async with serving_app(app) as port:
-        load = Load(f"http://127.0.0.1:{port}", recorder, slots=4, length_s=lambda _: 0.05, tokens_per_s=20, hops={})
+    async with loading(completions, slots=4, length_s=0.05) as (load, _):
         task = asyncio.create_task(load.run())
         while ("answered", 3) not in events:
             await asyncio.sleep(0.01)
@@ -90,13 +100,9 @@ async def test_after_a_cut_stream_the_next_request_is_answered_not_lost_on_the_c
         response.force_close()  # as the router does once the engine has gone mid-stream
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
     for _ in range(20):  # the stale connection was reused only when its close had not been read yet
         served[0] = 0
-        recorder = Recorder(asyncio.get_running_loop().time)
-        async with serving_app(app) as port:
-            load = Load(f"http://127.0.0.1:{port}", recorder, slots=1, length_s=lambda _: 1.0, tokens_per_s=20, hops={})
+        async with loading(completions, slots=1, length_s=1.0) as (load, recorder):
             await asyncio.wait_for(load.run(), 5)
         outcomes = [(r.outcome, r.pod) for r in recorder.streams]
         assert outcomes == [(Outcome.CUT, "vllm-0"), (Outcome.REFUSED, None)]
