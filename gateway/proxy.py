@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -12,6 +11,7 @@ from aiohttp import web
 from gateway.relay import forwarded
 from gateway.request import Request
 from gateway.server import Connection
+from gateway.splice import parse_json
 from gateway.streaming import Gateway, no_backend_answer, stream
 
 Route = Callable[[Gateway, Request, Connection], Awaitable[web.Response | None]]
@@ -42,7 +42,7 @@ def _plain(status: int, text: str) -> web.Response:
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
     try:
-        body = json.loads(raw)
+        body = parse_json(raw)
     except ValueError:
         return None
     return body if isinstance(body, dict) else None

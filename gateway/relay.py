@@ -48,6 +48,20 @@ def forwarded(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED)
 
 
+_NOT_FORWARDED_NAMES = frozenset(name.encode() for name in _NOT_FORWARDED)
+
+
+def forwarded_lines(head: bytes, *, content_type: bytes = b"") -> bytes:
+    """The same from a request's header lines as the server read them (``Request.head``, each line already checked
+    there), as lines to send on: no mapping is built for a request that is only passed on. ``content_type``: the
+    client's replaced by this one."""
+    dropped = _NOT_FORWARDED_NAMES | {b"content-type"} if content_type else _NOT_FORWARDED_NAMES
+    kept = [line for line in head.split(b"\r\n") if line and line[: line.find(b":")].lower() not in dropped]
+    if content_type:
+        kept.append(b"Content-Type: " + content_type)
+    return b"".join(line + b"\r\n" for line in kept)
+
+
 class ClientGone(Exception):
     """The client closed its connection or stopped reading: nothing more can reach it."""
 
@@ -135,14 +149,15 @@ async def relay(
     *,
     path: str,
     body: bytes,
-    headers: CIMultiDict[str],
+    headers: bytes,
     splicer: Splicer,
     client: ClientStream,
     timeouts: TimeoutSettings,
     mover: Mover,
     comment: bytes = b"",
 ) -> End | Rejected:
-    """One backend's answer, relayed to ``client`` until it ends; raises ClientGone when the client does.
+    """One backend's answer to ``path``, ``body`` and ``headers`` (header lines, as ``forwarded_lines`` makes them),
+    relayed to ``client`` until it ends; raises ClientGone when the client does.
 
     ``mover`` may end the answer early (the backend's node is about to go); the caller tells that from a break.
     """

@@ -43,7 +43,7 @@ class Request:
 
     @property
     def headers(self) -> CIMultiDict[str]:
-        """Parsed again at each call: a stream reads them at its start and at each continuation."""
+        """Parsed again at each call: a whole request reads them once, a stream passes its lines on as they are."""
         return header_lines(self.head)
 
 

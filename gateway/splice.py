@@ -121,7 +121,7 @@ class Splicer:
                 return Step(end=Finished())
             return Step(end=Broken("reset", "[DONE] before a finish_reason"))
         try:
-            chunk = _parse(data)
+            chunk = parse_json(data)
         except (ValueError, RecursionError):
             return Step(end=Broken("garbage", data[:80].decode(errors="replace")))
         if not isinstance(chunk, dict):
@@ -367,7 +367,7 @@ class Splicer:
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
 
-def _parse(data: bytes) -> Any:
+def parse_json(data: bytes) -> Any:
     """orjson where it takes the bytes; else json, which also reads what orjson refuses: lone surrogates, NaN,
     integers past 64 bits, UTF-16 and UTF-32."""
     try:

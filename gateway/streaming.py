@@ -15,14 +15,13 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover, Pool, context_length
 from gateway.continuation import by_ids, continuation, refusal, refusal_at_start, remaining_tokens
 from gateway.ends import Broken, End, Finished, error_event
 from gateway.metrics import GatewayMetrics
 from gateway.parsed import Replayed, chat_parsers, supported
-from gateway.relay import ClientGone, ClientStream, Rejected, forwarded, relay
+from gateway.relay import ClientGone, ClientStream, Rejected, forwarded_lines, relay
 from gateway.request import Request
 from gateway.server import Connection
 from gateway.settings import GatewaySettings
@@ -81,7 +80,7 @@ async def stream(
 class _Request:
     path: str
     raw: bytes
-    headers: CIMultiDict[str]
+    headers: bytes  # header lines (relay.forwarded_lines)
     method: str  # a continuation's (one of METHODS), or "" for the client's own request
     asks_ids: bool  # return_token_ids is in it
 
@@ -98,7 +97,7 @@ class _Run:
         splicer: Splicer,
     ) -> None:
         self.gateway = gateway
-        self.request = request  # its headers are read again for each backend's request
+        self.request = request  # its header lines are passed on to each backend
         self.path = request.path
         self.body = body
         self.chat = chat
@@ -184,10 +183,10 @@ class _Run:
         if self.broken is None or self.restart:
             self.splicer.source_chat = None
             method = "restart" if self.broken is not None else ""
-            headers = forwarded(self.request.headers)
+            headers = forwarded_lines(self.request.head)
             if self.asked or not self.wants_ids or not backend.token_ids:
                 return _Request(self.path, original, headers, method, asks_ids=False)
-            return _Request(self.path, with_ids(self.body), headers, method, asks_ids=True)
+            return _Request(self.path, with_ids(self.body, original), headers, method, asks_ids=True)
         context_len = None
         if self.chat and remaining_tokens(self.body, self.splicer, chat=True) is None:
             timeout_s = self.gateway.settings.timeouts.connect_s
@@ -211,8 +210,7 @@ class _Run:
         body.pop(FIELD, None)
         if backend.token_ids and (self.asked or plan.method == "token_ids"):
             body[FIELD] = True
-        headers = forwarded(self.request.headers)
-        headers["Content-Type"] = "application/json"
+        headers = forwarded_lines(self.request.head, content_type=b"application/json")
         return _Request(plan.path, json.dumps(body).encode(), headers, plan.method, asks_ids=FIELD in body)
 
     async def _replayed(self, backend: Backend) -> Replayed | None:

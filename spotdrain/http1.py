@@ -38,6 +38,8 @@ MAX_HEAD_BYTES = 64 * 1024
 _DECIMAL = re.compile(r"[0-9]{1,18}")  # str.isdigit() would take "²", which int() does not
 # Set by the caller on the whole request, not per read; what the framing says, when it cannot be read.
 _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encoding")
+# A request's headers: a mapping, or header lines ready to send (CRLF after each, none of the four above).
+Headers = Mapping[str, str] | bytes
 
 
 class Answer:
@@ -80,11 +82,12 @@ class Answer:
         if self._protocol.transport is not None:
             self._protocol.transport.close()
 
-    async def send(self, path: str, body: bytes, headers: Mapping[str, str], *, method: str = "POST") -> None:
+    async def send(self, path: str, body: bytes, headers: Headers, *, method: str = "POST") -> None:
         """Send the request and read the answer's head; raises OSError (the connection ended) or BadAnswer."""
         assert self._protocol.transport is not None
         if self.absolute and self._proxy_headers:
-            headers = {**headers, **self._proxy_headers}
+            proxy = self._proxy_headers
+            headers = headers + _lines(proxy) if isinstance(headers, bytes) else {**headers, **proxy}
         request = request_bytes(self.url, path, body, headers, method=method, absolute=self.absolute)
         self._protocol.transport.write(request)
         await self._read_head()
@@ -255,17 +258,25 @@ class Answer:
 
 
 def request_bytes(
-    url: str, path: str, body: bytes, headers: Mapping[str, str], *, method: str = "POST", absolute: bool = False
+    url: str, path: str, body: bytes, headers: Headers, *, method: str = "POST", absolute: bool = False
 ) -> bytes:
     """The request for ``path`` on the server at ``url``: the method, the headers given, the body (a GET has none),
     ``Connection: close``; ``absolute``: the target as a whole URL, as a proxy is asked (RFC 9112 section 3.2.2)."""
     parts = urlsplit(url)
     target = f"{parts.scheme}://{parts.netloc}{parts.path}{path}" if absolute else f"{parts.path}{path}"
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
-    if method != "GET":
-        lines.insert(2, f"Content-Length: {len(body)}")
-    lines += [f"{name}: {value}" for name, value in headers.items() if name.lower() not in _CONNECTION_HEADERS]
-    return "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body
+    length = "" if method == "GET" else f"Content-Length: {len(body)}\r\n"
+    head = f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n{length}Connection: close\r\n"
+    return head.encode("latin-1") + _lines(headers) + b"\r\n" + body
+
+
+def _lines(headers: Headers) -> bytes:
+    """``headers`` as header lines, each ending in CRLF, without those ``request_bytes`` sets itself; lines given as
+    bytes are taken as they are."""
+    if isinstance(headers, bytes):
+        return headers
+    return "".join(
+        f"{name}: {value}\r\n" for name, value in headers.items() if name.lower() not in _CONNECTION_HEADERS
+    ).encode("latin-1")
 
 
 async def connect(url: str, *, connect_s: float, proxy: str | None = None, buffered: bool = False) -> Answer:

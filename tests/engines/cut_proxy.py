@@ -53,8 +53,11 @@ class CutProxy:
     # it pleases, so a cut placed before the last tokens of a reference can fall on the last chunk of the live stream,
     # and nothing is left to continue.
     whole: list[str] = field(default_factory=list)
+    heads: list[list[tuple[bytes, bytes]]] = field(default_factory=list)  # each POST's header lines as they came
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method == "POST":
+            self.heads.append(list(request.raw_headers))
         raw = await request.read()
         try:
             key = key_of(json.loads(raw)) if raw else None

@@ -9,8 +9,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from unittest.mock import Mock
 
-from multidict import CIMultiDict
-
 from gateway.backends import Backend, Mover
 from gateway.ends import Broken
 from gateway.relay import ClientStream, relay
@@ -44,7 +42,7 @@ async def test_a_backend_that_takes_no_connection_is_a_timeout_named_by_the_conn
             Backend(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/health"),
             path="/v1/completions",
             body=b"{}",
-            headers=CIMultiDict(),
+            headers=b"",
             splicer=Splicer(chat=False, include_usage=False),
             client=ClientStream(connection, write_timeout_s=1.0, on_gap=lambda _: None),
             timeouts=timeouts,

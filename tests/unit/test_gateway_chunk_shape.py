@@ -144,13 +144,13 @@ class Recorded:
 
 def test_a_vllm_stream_is_parsed_for_its_first_chunks_only(monkeypatch: pytest.MonkeyPatch) -> None:
     parsed: list[bytes] = []
-    parse = splice._parse
+    parse = splice.parse_json
 
     def counted(data: bytes) -> Any:
         parsed.append(data)
         return parse(data)
 
-    monkeypatch.setattr(splice, "_parse", counted)
+    monkeypatch.setattr(splice, "parse_json", counted)
     splicer = Splicer(chat=False, include_usage=False, hide_ids=True)
     for index in range(100):
         out = splicer.accept(bench_chunk(index, last=index == 99, ids=True)[6:-2]).out

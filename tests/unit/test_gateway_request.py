@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gateway.request import BadRequest, parse_head
+from gateway.relay import forwarded, forwarded_lines
+from gateway.request import BadRequest, header_lines, parse_head
+from spotdrain.http1 import request_bytes
 
 
 def test_a_head_gives_its_method_target_framing_and_whether_the_connection_ends() -> None:
@@ -54,3 +56,32 @@ def test_any_bytes_as_a_head_are_a_request_or_a_bad_request(data: bytes) -> None
     assert length is None or length >= 0
     assert all(name.strip() == name for name in request.headers)  # its headers read again as they were read
     assert not any(c in value for value in request.headers.values() for c in "\r\n\x00")
+
+
+_NAMES = st.sampled_from(
+    ["Authorization", "X-Tag", "connection", "Keep-Alive", "TE", "Host", "content-length", "Content-Type", "Upgrade"]
+) | st.from_regex(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,12}", fullmatch=True)
+_VALUES = st.from_regex(
+    r"[ \t]{0,2}[\x21-\x7e\x80-\xff]([\x20-\x7e\t\x80-\xff]{0,20}[\x21-\x7e\x80-\xff])?[ \t]{0,2}", fullmatch=True
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_NAMES, _VALUES), max_size=12), st.sampled_from([b"", b"application/json"]))
+def test_a_heads_lines_passed_on_are_the_headers_passed_on(fields: list[tuple[str, str]], content_type: bytes) -> None:
+    """The lines a stream sends on say what the parsed headers a whole request sends on say, in the same order."""
+    head = "\r\n".join(f"{name}:{value}" for name, value in fields).encode("latin-1")
+    try:
+        request, _, _ = parse_head(b"POST / HTTP/1.1" + (b"\r\n" + head if head else b""))
+    except BadRequest:
+        assume(False)  # its framing refused (two lengths, a length that is not one): never passed on
+    want = forwarded(request.headers)
+    if content_type:
+        want.popall("Content-Type", None)
+        want["Content-Type"] = content_type.decode()
+    lines = forwarded_lines(request.head, content_type=content_type)
+    assert header_lines(lines.removesuffix(b"\r\n")) == want if lines else not want
+    sent = [request_bytes("http://b:1", "/p", b"{}", headers) for headers in (lines, want)]
+    (line, _, head), (their_line, _, their_head) = (raw.removesuffix(b"\r\n\r\n{}").partition(b"\r\n") for raw in sent)
+    assert line == their_line == b"POST /p HTTP/1.1"
+    assert header_lines(head) == header_lines(their_head)

@@ -19,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.reshape import as_chat, chat_logprobs
 from gateway.splice import Splicer
 from gateway.stalls import STALL_MAX_S, STALL_MIN_S, stall_bound, stalled
-from gateway.token_ids import hide, hide_in, refuses_ids
+from gateway.token_ids import FIELD, hide, hide_in, refuses_ids, with_ids
 from spotdrain.metrics import CollectorRegistry
 
 FIRST = (
@@ -279,3 +279,27 @@ def test_a_backend_is_going_away_when_leaving_out_of_rotation_gone_or_refusing()
     assert pool.going_away("http://gone:8000")
     pool.set_leaving({a.url: datetime(2030, 1, 1, tzinfo=UTC)})
     assert pool.going_away(a.url)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+_SPACE = st.text(alphabet=" \t\r\n", max_size=3)
+
+
+@given(
+    st.dictionaries(st.sampled_from(["prompt", "model", FIELD, "stream"]) | st.text(max_size=6), _JSON, max_size=4),
+    _SPACE,
+    st.sampled_from([(",", ":"), (", ", ": "), (" ,\n", " :\t")]),
+    st.booleans(),
+)
+def test_a_request_asking_for_ids_is_the_clients_with_the_field_set(
+    body: dict[str, Any], space: str, separators: tuple[str, str], ascii_only: bool
+) -> None:
+    raw = (space + json.dumps(body, separators=separators, ensure_ascii=ascii_only) + space).encode()
+    sent = with_ids(body, raw)
+    assert json.loads(sent) == {**body, FIELD: True}
+    if FIELD not in body:
+        assert sent.endswith(raw[raw.index(b"{") + 1 :])  # the client's bytes, as they came
