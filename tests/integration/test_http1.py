@@ -396,3 +396,36 @@ async def test_a_proxy_that_refuses_holds_or_answers_garbage_to_connect_gives_no
     lines = requests[0].split(b"\r\n")
     assert lines[0] == b"CONNECT models.example:8443 HTTP/1.1"
     assert b"Proxy-Authorization: Basic " + base64.b64encode(b"u:p@ss") in lines
+
+
+@pytest.mark.parametrize(
+    "headers", [{"X-Tag": "one", "Authorization": "Bearer k"}, b"X-Tag: one\r\nAuthorization: Bearer k\r\n"]
+)
+async def test_a_request_through_a_proxy_in_absolute_form_carries_its_headers_and_the_proxys(
+    headers: dict[str, str] | bytes,
+) -> None:
+    requests: list[bytes] = []
+
+    def proxy(request: bytes) -> list[bytes]:
+        requests.append(request)
+        return [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"]
+
+    async with server(proxy) as port:
+        answer = await http1.connect("http://models.example:8080", connect_s=2.0, proxy=f"http://u:p@127.0.0.1:{port}")
+        await answer.send("/v1/x", b"{}", headers)
+        assert b"".join([piece async for piece in answer.body()]) == b"ok"
+        answer.close()
+    head, _, body = requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST http://models.example:8080/v1/x HTTP/1.1"
+    assert sorted(lines[1:]) == sorted(
+        [
+            b"Host: models.example:8080",
+            b"Content-Length: 2",
+            b"Connection: close",
+            b"X-Tag: one",
+            b"Authorization: Bearer k",
+            b"Proxy-Authorization: Basic " + base64.b64encode(b"u:p"),
+        ]
+    )
+    assert body == b"{}"
