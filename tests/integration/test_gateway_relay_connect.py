@@ -17,20 +17,23 @@ from gateway.settings import TimeoutSettings
 from gateway.splice import Splicer
 
 
+def fill_queue(server: socket.socket, stack: ExitStack) -> None:
+    """Connect to ``server`` (listening with a backlog of 0) until its accept queue is full: a further connect hangs,
+    its SYN dropped. The connections last as long as ``stack``."""
+    for _ in range(8):  # Linux queues backlog + 1 connections; a few more cover kernels that queue more
+        client = stack.enter_context(socket.socket())
+        client.setblocking(False)
+        with suppress(BlockingIOError):
+            client.connect(server.getsockname())
+
+
 @contextmanager
 def full_listener() -> Iterator[int]:
     """A port that listens and never accepts, its queue already full: a further connect hangs."""
     with ExitStack() as stack:
-        server = stack.enter_context(socket.socket())
-        server.bind(("127.0.0.1", 0))
-        server.listen(0)
-        port = server.getsockname()[1]
-        for _ in range(8):  # Linux queues backlog + 1 connections; a few more cover kernels that queue more
-            client = stack.enter_context(socket.socket())
-            client.setblocking(False)
-            with suppress(BlockingIOError):
-                client.connect(("127.0.0.1", port))
-        yield port
+        server = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=0))
+        fill_queue(server, stack)
+        yield server.getsockname()[1]
 
 
 async def test_a_backend_that_takes_no_connection_is_a_timeout_named_by_the_connect_timeout() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.main import loop_factory
 from gateway.stalls import refuses_connections
-from tests.integration.test_gateway_relay_connect import full_listener
+from tests.integration.test_gateway_relay_connect import fill_queue, full_listener
 
 
 async def test_a_listener_that_takes_the_connection_is_not_refusing() -> None:
@@ -37,11 +37,7 @@ async def _held_up_probe() -> bool:
     """The probe's verdict on a listener that takes its connection while the loop is held up past its timeout."""
     with socket.create_server(("127.0.0.1", 0), backlog=0) as server, ExitStack() as fillers:
         port = server.getsockname()[1]
-        for _ in range(8):  # the accept queue full: the probe's first SYN is dropped
-            filler = fillers.enter_context(socket.socket())
-            filler.setblocking(False)
-            with suppress(BlockingIOError):
-                filler.connect(("127.0.0.1", port))
+        fill_queue(server, fillers)  # the probe's first SYN is dropped
         waiting = _syns_sent(port)
         probe = asyncio.create_task(refuses_connections(f"http://127.0.0.1:{port}", timeout_s=1.5))
         deadline = time.monotonic() + 10.0
