@@ -97,9 +97,8 @@ class Answer:
         proxy refuses (the server's answers are read after)."""
         protocol = self._protocol
         assert protocol.transport is not None
-        lines = [f"CONNECT {host}:{port} HTTP/1.1", f"Host: {host}:{port}"]
-        lines += [f"{name}: {value}" for name, value in (self._proxy_headers or {}).items()]
-        protocol.transport.write("\r\n".join(lines).encode("latin-1") + b"\r\n\r\n")
+        start = f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n".encode("latin-1")
+        protocol.transport.write(start + _lines(self._proxy_headers or {}) + b"\r\n")
         await self._read_head()
         if not 200 <= self.status < 300 or self._rest:
             raise ConnectionRefusedError(f"the proxy answered CONNECT {host}:{port} with HTTP {self.status}")
