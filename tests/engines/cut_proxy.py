@@ -3,11 +3,16 @@
 Restarting a server to place each cut would take a minute; this places hundreds of cuts per second, exactly where a
 test wants them (right after an empty-text token, say), on a server that stays up. Everything else passes through:
 health checks, ``/v1/models``, whole answers, and every stream it is not told to cut.
+
+It also keeps the token ids the engine sent on each stream it relayed (the gateway asks for them on every request),
+so a test can tell an engine that decoded otherwise than its reference (``diverged``) from a gateway that spliced
+wrongly.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,16 +37,93 @@ def key_of(body: Any) -> str | None:
     return None
 
 
-def tokens_in(data: bytes) -> tuple[int, bool]:
-    """The event's token count, and whether it carries the stream's finish_reason."""
+def leg_key(body: Any) -> str | None:
+    """What ties a continuation to its client's request: ``user``, an OpenAI field vLLM passes by and the gateway
+    copies into every continuation (a prompt does not survive: continued by ids, it becomes ids); else ``key_of``."""
+    if isinstance(body, dict) and isinstance(body.get("user"), str):
+        return str(body["user"])
+    return key_of(body)
+
+
+def tokens_in(data: bytes) -> tuple[list[int], bool]:
+    """The event's token ids, and whether it carries the stream's finish_reason."""
     try:
         chunk = json.loads(data)
     except ValueError:
-        return 0, False
+        return [], False
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
     if not choices or not isinstance(choices[0], dict):
-        return 0, False
-    return len(choices[0].get("token_ids") or ()), choices[0].get("finish_reason") is not None
+        return [], False
+    ids = choices[0].get("token_ids") or ()
+    return [i for i in ids if isinstance(i, int)], choices[0].get("finish_reason") is not None
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One request of a client's stream (its first, or a continuation) as the proxy relayed it."""
+
+    started: float  # time.monotonic() when it came: the legs of one stream may pass through two proxies
+    ids: list[int] = field(default_factory=list)  # every token id the engine sent, the last cut event's too
+
+
+def legs_of(key: str, *proxies: CutProxy) -> list[list[int]]:
+    """The token ids of each leg of ``key``'s stream, in the order the gateway sent them, whichever proxy it chose."""
+    return [leg.ids for leg in sorted((leg for p in proxies for leg in p.legs.get(key, ())), key=lambda g: g.started)]
+
+
+# At most this many streams of one test are excused for their engine's divergence. One in 111 was seen, in one of
+# four runs: where two logits nearly tie, a continuation batched with other requests can take the other token. Three
+# leave room for a worse run on a loaded machine (under 3% of the parsed chats' 111 streams, 5% of the plain 56),
+# while an engine that decodes otherwise wholesale fails, and so does a gateway that asks for the wrong continuation
+# on more than a few streams (the engine then decodes from the wrong place, and the leg agrees nowhere).
+EXCUSED_AT_MOST = 3
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where the engine's tokens first left the reference's: the reference's token ``at``, where it wanted
+    ``wanted`` (None: it had ended) and the engine sent ``sent``, in the stream's leg ``leg`` (0: its first)."""
+
+    leg: int
+    at: int
+    wanted: int | None
+    sent: int
+
+
+def diverged(reference: list[int], legs: list[list[int]]) -> Divergence | None:
+    """Whether the engine decoded otherwise than the reference: the first leg is not the reference's start, or a
+    continuation is no run of the reference's tokens anywhere. The gateway resumes where its client's stream ended,
+    which can be a few tokens before where the proxy cut (an aborted connection may lose the last event written),
+    so a continuation's place is not assumed; taking any place makes a leg agree more often, and an agreeing
+    stream must then be exactly the reference. A leg that agrees nowhere is placed where it agrees longest."""
+    for n, leg in enumerate(legs):
+        starts = range(1) if n == 0 else range(len(reference) + 1)
+        if any(reference[s : s + len(leg)] == leg for s in starts):
+            continue
+        agreeing, start = max((_agreeing(reference[s:], leg), -s) for s in starts)
+        at = agreeing - start
+        return Divergence(n, at, reference[at] if at < len(reference) else None, leg[agreeing])
+    return None
+
+
+def engine_diverged(streams: list[tuple[str, str, list[int]]], *proxies: CutProxy) -> set[int]:
+    """Which of the streams (what to print, its leg key, its reference's ids) the engine decoded otherwise than their
+    reference, each printed with where; fails where they are more than EXCUSED_AT_MOST."""
+    found = {n: diverged(ids, legs_of(key, *proxies)) for n, (_, key, ids) in enumerate(streams)}
+    out = {n: d for n, d in found.items() if d is not None}
+    for n, d in out.items():
+        print(
+            f"engine diverged: {streams[n][0]}: leg {d.leg} at the reference's token {d.at} sent {d.sent}, "
+            f"the reference {d.wanted}"
+        )
+    assert len(out) <= EXCUSED_AT_MOST, [(streams[n][0], d) for n, d in out.items()]
+    return set(out)
+
+
+def _agreeing(reference: list[int], leg: list[int]) -> int:
+    return next(
+        (k for k, (a, b) in enumerate(zip(reference, leg, strict=False)) if a != b), min(len(reference), len(leg))
+    )
 
 
 @dataclass
@@ -54,15 +136,17 @@ class CutProxy:
     # and nothing is left to continue.
     whole: list[str] = field(default_factory=list)
     heads: list[list[tuple[bytes, bytes]]] = field(default_factory=list)  # each POST's header lines as they came
+    legs: dict[str, list[Leg]] = field(default_factory=dict)  # leg_key -> each of its streams relayed, in order
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.method == "POST":
             self.heads.append(list(request.raw_headers))
         raw = await request.read()
         try:
-            key = key_of(json.loads(raw)) if raw else None
+            body = json.loads(raw) if raw else None
         except ValueError:
-            key = None
+            body = None
+        key, mine, leg = key_of(body), leg_key(body), Leg(time.monotonic())
         cut = self.cuts.pop(key, None) if key is not None else None
         headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
         timeout = aiohttp.ClientTimeout(total=300)
@@ -73,9 +157,11 @@ class CutProxy:
             kind = up.headers.get("Content-Type", "")
             if not kind.startswith("text/event-stream"):
                 return web.Response(status=up.status, body=await up.read(), headers={"Content-Type": kind})
+            if mine is not None:
+                self.legs.setdefault(mine, []).append(leg)
             response = web.StreamResponse(status=up.status, headers={"Content-Type": kind})
             await response.prepare(request)
-            await self._relay(up, response, request, key=key, cut=cut)
+            await self._relay(up, response, request, key=key, cut=cut, ids=leg.ids)
             return response
 
     async def _relay(
@@ -86,14 +172,15 @@ class CutProxy:
         *,
         key: str | None,
         cut: int | None,
+        ids: list[int],
     ) -> None:
-        parser, tokens = SseParser(), 0
+        parser = SseParser()
         async for block in up.content.iter_any():
             for data in parser.feed(block):
                 await response.write(b"data: " + data + b"\n\n")
-                count, finished = tokens_in(data)
-                tokens += count
-                if cut is not None and tokens >= cut and key is not None:
+                sent, finished = tokens_in(data)
+                ids += sent
+                if cut is not None and len(ids) >= cut and key is not None:
                     self.done.append(key)
                     if finished:
                         self.whole.append(key)

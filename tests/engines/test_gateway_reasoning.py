@@ -164,20 +164,36 @@ async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_mes
         async with gateway(first_port, second_port, flags=parsed.flags()) as gw:
             got = await gather_streams(gw.url(""), calls)
             cut_count = await cut_streams(gw)
+    # Judged against its reference only where the engine decoded it as the reference (its legs through the proxies
+    # say): greedy decoding on a loaded CPU is not batch-invariant, and a near-tie can go the other way.
+    whats = [f"{parser} {c.transcript.name} {c.where} {c.at}" for c in planned]
+    references = [[i for i in token_ids(want[c.transcript.name]) if i is not None] for c in planned]
+    excused = proxies.engine_diverged(
+        [(what, body["user"], ids) for what, (_, body), ids in zip(whats, calls, references, strict=True)],
+        first,
+        second,
+    )
     results = [
-        (c.path, same_chat(g, want[c.transcript.name], what=f"{parser} {c.transcript.name} {c.where} {c.at}"))
-        for c, g in zip(planned, got, strict=True)
+        (c.path, n not in excused and same_chat(g, want[c.transcript.name], what=what))
+        for n, (c, g, what) in enumerate(zip(planned, got, whats, strict=True))
     ]
     dropped = len(first.done) + len(second.done)
     print(
-        f"{parser} dropped: {len(got)} streams, {dropped} dropped, equal assembled {fractions(results)}, "
-        f"where {sorted({c.where for c in planned})}, longest silence {longest_silence(got):.2f} s"
+        f"{parser} dropped: {len(got)} streams, {dropped} dropped, equal assembled {fractions(results)} "
+        f"({len(excused)} excused), where {sorted({c.where for c in planned})}, "
+        f"longest silence {longest_silence(got):.2f} s"
     )
     assert cut_count == 0
     for n, (c, g) in enumerate(zip(planned, got, strict=True)):  # every third asked for the ids: each once, in order
-        assert token_ids(g) == token_ids(want[c.transcript.name]) if n % 3 == 0 else set(token_ids(g)) <= {None}
-    assert all(ok for _, ok in results), [
-        (c.transcript.name, c.where, c.at) for c, (_, ok) in zip(planned, results, strict=True) if not ok
+        if n % 3:
+            assert set(token_ids(g)) <= {None}
+        elif n not in excused:
+            assert token_ids(g) == token_ids(want[c.transcript.name])
+    for n in excused:  # whole all the same
+        g = got[n]
+        assert (g.status, g.done, g.errors, g.roles, len(g.finish_reasons)) == (200, 1, [], ["assistant"], 1), whats[n]
+    assert all(ok for n, (_, ok) in enumerate(results) if n not in excused), [
+        whats[n] for n, (_, ok) in enumerate(results) if not ok and n not in excused
     ]
     for path in ("reasoning", "both", "tool_call"):
         assert sum(c.path == path for c in planned) >= 20, path
