@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,7 +21,7 @@ import pytest
 
 from simulate.fakes.sse_client import Streamed, read_stream
 from simulate.vllm.server import MODEL_NAME, VllmServer
-from tests.engines.cut_proxy import Divergence, cut_proxy, diverged, engine_diverged
+from tests.engines.cut_proxy import Divergence, cut_proxy, diverged, engine_diverged, own_tokens
 from tests.gateway_harness import Running, gateway, metric, readiness
 
 PER_PATH = 28
@@ -105,14 +105,21 @@ def assert_same(got: Streamed, want: Streamed, *, asked: bool, what: str) -> Non
 
 
 def assert_all_same(
-    got: list[Streamed], want: list[Streamed], calls: list[tuple[str, dict[str, Any]]], *, excused: Collection[int] = ()
+    got: list[Streamed],
+    want: list[Streamed],
+    calls: list[tuple[str, dict[str, Any]]],
+    *,
+    excused: Mapping[int, list[int]] | None = None,
 ) -> None:
-    """Each stream the same as its reference, but those ``excused`` (their engine decoded otherwise): only whole."""
+    """Each stream the same as its reference, but those ``excused`` (their engine decoded otherwise): whole, and
+    with the tokens the engine made for them where they asked for ids."""
     for index, ((path, body), mine, theirs) in enumerate(zip(calls, got, want, strict=True)):
-        if index in excused:
-            assert_whole(mine, what=f"{index} {path}")
+        asked, what = bool(body.get("return_token_ids")), f"{index} {path}"
+        if excused is not None and index in excused:
+            assert_whole(mine, what=what)
+            assert not asked or ids(mine) == excused[index], what
         else:
-            assert_same(mine, theirs, asked=bool(body.get("return_token_ids")), what=f"{index} {path}")
+            assert_same(mine, theirs, asked=asked, what=what)
 
 
 def cut_points(want: Streamed, index: int) -> int | None:
@@ -180,6 +187,17 @@ def test_a_stream_diverged_only_where_a_leg_of_the_engine_is_no_run_of_the_refer
     assert diverged(reference, [reference[:4], [13, 14, 99, 16]]) == Divergence(1, 5, 15, 99)
     assert diverged(reference, [reference[:4], [*reference[3:], 20]]) == Divergence(1, 10, None, 20)  # longer
     assert diverged(reference, [reference[:4], [99]]) == Divergence(1, 0, 10, 99)  # agreeing nowhere: the start
+
+
+def test_a_continuation_is_the_engines_own_where_it_resumes_from_the_prompt_and_the_ids_the_engine_sent() -> None:
+    """How the test above tells a wrong splice from the engine's divergence (no vLLM needed)."""
+    prompt = [1, 2]
+    assert own_tokens(prompt, [(None, [5, 6, 7]), ([1, 2, 5, 6], [7, 8])]) == [5, 6, 7, 8]  # from the last event lost
+    assert own_tokens(prompt, [(None, [5, 6]), ([1, 2, 5, 6], [9]), ([1, 2, 5, 6, 9], [8])]) == [5, 6, 9, 8]
+    assert own_tokens(prompt, [(None, [5]), (None, [5, 6])]) == [5, 6]  # started over
+    assert own_tokens(prompt, [(None, [5, 6]), ([1, 2, 5, 6, 7], [8])]) is None  # a token the engine never sent
+    assert own_tokens(prompt, [(None, [5, 6]), ([1, 2, 6], [7])]) is None  # one left out
+    assert own_tokens(prompt, [(None, [5, 6]), ([1, 5, 6], [7])]) is None  # the prompt's own
 
 
 def key(body: dict[str, Any]) -> str:
