@@ -8,13 +8,14 @@ import json
 import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol
 
 import aiohttp
 import structlog
 
+from gateway.keepalive import Kept
 from gateway.metrics import GatewayMetrics
 from spotdrain.clock import rfc3339
 
@@ -36,6 +37,7 @@ class Backend:
     token_ids: bool = True  # takes ``return_token_ids`` (False once it refused the field)
     context_len: int | None = None  # its model's context (``max_model_len``), once asked
     refusing: bool = False  # a stall probe found it refusing new connections (until it answers a request again)
+    kept: Kept = field(default_factory=Kept, compare=False)  # its connections idle between streams
 
 
 class Closable(Protocol):
@@ -162,6 +164,8 @@ class Pool:
         if list(known) == list(urls):
             return
         self.backends = [known.get(url) or Backend(url, f"{url}/health") for url in urls]
+        for gone in known.keys() - set(urls):
+            known[gone].kept.close()
         log.info("backends.changed", backends=list(urls))
         self._publish()
         self._became_ready()
@@ -172,6 +176,9 @@ class Pool:
             log.info("backends.leaving", backends={url: rfc3339(at) for url, at in sorted(times.items())})
             self.leaving = times
             self.leaving_changed.set()
+            for backend in self.backends:
+                if backend.url in times:
+                    backend.kept.close()
 
     @contextmanager
     def hold(self, backend: Backend, mover: Mover) -> Iterator[None]:
@@ -197,12 +204,15 @@ class Pool:
         self.metrics.backend_errors.labels(kind=cause).inc()
         if cause in GONE_CAUSES and backend.ready:
             backend.ready = False
+            backend.kept.close()
             log.warning("backend.unready", backend=backend.url, cause=cause)
             self._publish()
 
     def set_ready(self, backend: Backend, ready: bool) -> None:
         if backend.ready != ready:
             backend.ready = ready
+            if not ready:
+                backend.kept.close()
             log.info("backend.ready" if ready else "backend.unready", backend=backend.url, cause="health")
             self._publish()
             if ready:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 
 from gateway.backends import Backend, Mover
-from gateway.ends import Broken, End
+from gateway.ends import Broken, End, Finished
 from gateway.server import Connection
 from gateway.settings import TimeoutSettings
 from gateway.splice import Splicer
@@ -163,17 +163,13 @@ async def relay(
     """
     backend.open_streams += 1
     answer: http1.Answer | None = None
+    whole = False  # the stream ended whole: its connection may be kept for the next
     try:
-        try:
-            answer = await http1.connect(backend.url, connect_s=timeouts.connect_s)
-        except TimeoutError:
-            return Broken("timeout", f"no connection within {timeouts.connect_s} s")
-        except OSError as error:
-            return Broken("unavailable", str(error) or type(error).__name__)
-        async with asyncio.timeout(timeouts.read_s):  # the answer's head; from there, the mover bounds the silence
-            await answer.send(path, body, headers)
+        sent = await _sent(backend, path, body, headers, timeouts, mover)
+        if isinstance(sent, Broken):
+            return sent
+        answer = sent
         backend.refusing = False
-        mover.attach(answer)
         if answer.status >= 500:
             return Broken("server_error", f"HTTP {answer.status}")
         if answer.status != 200:  # the caller tells a refused field, and a refused continuation, from the rest
@@ -183,7 +179,9 @@ async def relay(
         client.start(answer.headers)
         if comment:
             await client.write(comment, content=False)
-        return await _events(answer, splicer, client, mover)
+        end = await _events(answer, splicer, client, mover)
+        whole = isinstance(end, Finished)
+        return end
     except (ClientGone, asyncio.CancelledError):
         raise
     except TimeoutError:
@@ -195,8 +193,48 @@ async def relay(
     finally:
         mover.attach(None)
         if answer is not None:
-            answer.close()
+            if whole and not mover.moved:
+                answer.release(backend.kept.keep)
+            else:
+                answer.close()
         backend.open_streams -= 1
+
+
+async def _sent(
+    backend: Backend, path: str, body: bytes, headers: bytes, timeouts: TimeoutSettings, mover: Mover
+) -> http1.Answer | Broken:
+    """The request sent and the answer's head read: on the backend's newest idle connection where it has one, else
+    on a new one (Broken where none is made). A kept connection that ends before a byte of the answer was closed by
+    the backend as the request went (its idle timeout): the request goes again, once, on a new connection. The
+    answer is ``mover``'s from the request on: a kept connection to a node that died without a word stays open, and
+    a stream waiting on it is moved as a silent one is (gateway/stalls.py). Raises as ``relay`` handles."""
+    if (kept := backend.kept.take()) is not None:
+        try:
+            return await _send(http1.Answer(kept, backend.url), path, body, headers, timeouts, mover)
+        except http1.Unanswered:
+            if mover.moved:
+                raise
+    try:
+        answer = await http1.connect(backend.url, connect_s=timeouts.connect_s)
+    except TimeoutError:
+        return Broken("timeout", f"no connection within {timeouts.connect_s} s")
+    except OSError as error:
+        return Broken("unavailable", str(error) or type(error).__name__)
+    return await _send(answer, path, body, headers, timeouts, mover)
+
+
+async def _send(
+    answer: http1.Answer, path: str, body: bytes, headers: bytes, timeouts: TimeoutSettings, mover: Mover
+) -> http1.Answer:
+    mover.attach(answer)
+    try:
+        async with asyncio.timeout(timeouts.read_s):  # the answer's head; from there, the mover bounds the silence
+            await answer.send(path, body, headers, keep_alive=True)
+    except BaseException:
+        mover.attach(None)
+        answer.close()
+        raise
+    return answer
 
 
 async def _events(answer: http1.Answer, splicer: Splicer, client: ClientStream, mover: Mover) -> End:

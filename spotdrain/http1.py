@@ -12,8 +12,8 @@ socket is read into it), with no copy made in this process. A relayed stream's r
 as the bytes the transport makes of it (``data_received``), one call into Python per read where a buffered read
 makes two.
 
-Each request asks for ``Connection: close``: an engine keeps no idle connection from the gateway, which a pod's
-sidecar would count as a client still there (the health checks close theirs for the same reason).
+A request asks for ``Connection: close`` unless its caller keeps connections (``keep_alive``: the gateway's streams,
+whose connection goes back to it with ``Answer.release`` once the answer has ended).
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ _CONNECTION_HEADERS = ("host", "content-length", "connection", "transfer-encodin
 Headers = Mapping[str, str] | bytes
 
 
+class Unanswered(ConnectionResetError):
+    """The connection ended before a byte of the answer: a kept one the server closed as the request went."""
+
+
 class Answer:
     """One answer: ``status`` and ``headers`` once ``send`` returned, then its body, block by block."""
 
@@ -54,6 +58,7 @@ class Answer:
         "_rest",
         "absolute",
         "headers",
+        "persistent",
         "reason",
         "status",
         "url",
@@ -66,6 +71,7 @@ class Answer:
         self._proxy_headers = proxy_headers  # None without a proxy: nothing more for every gateway stream to hold
         self.status = 0
         self.reason = ""
+        self.persistent = False  # the answer lets the connection carry another request (RFC 9112 section 9.3)
         self.headers: CIMultiDict[str] = CIMultiDict()
         self._rest = b""  # body bytes read with the head
         self._chunked = False
@@ -82,13 +88,18 @@ class Answer:
         if self._protocol.transport is not None:
             self._protocol.transport.close()
 
-    async def send(self, path: str, body: bytes, headers: Headers, *, method: str = "POST") -> None:
-        """Send the request and read the answer's head; raises OSError (the connection ended) or BadAnswer."""
+    async def send(
+        self, path: str, body: bytes, headers: Headers, *, method: str = "POST", keep_alive: bool = False
+    ) -> None:
+        """Send the request and read the answer's head; raises OSError (the connection ended: Unanswered where it
+        ended before a byte of the answer) or BadAnswer."""
         assert self._protocol.transport is not None
         if self.absolute and self._proxy_headers:
             proxy = self._proxy_headers
             headers = headers + _lines(proxy) if isinstance(headers, bytes) else {**headers, **proxy}
-        request = request_bytes(self.url, path, body, headers, method=method, absolute=self.absolute)
+        request = request_bytes(
+            self.url, path, body, headers, method=method, absolute=self.absolute, keep_alive=keep_alive
+        )
         self._protocol.transport.write(request)
         await self._read_head()
 
@@ -112,13 +123,20 @@ class Answer:
         """The status and headers of the final answer: interim ones (1xx, e.g. the ``100 Continue`` a server sends for
         a client's ``Expect``) are passed over, as aiohttp's client does."""
         data = b""
+        heard = False
         while True:
             while (end := data.find(b"\r\n\r\n")) < 0:
                 if len(data) > MAX_HEAD_BYTES:
                     raise BadAnswer(f"a head longer than {MAX_HEAD_BYTES} bytes")
-                block = await self._protocol.next_block()
+                try:
+                    block = await self._protocol.next_block()
+                except ConnectionResetError as error:
+                    raise (error if heard else Unanswered(str(error))) from None
                 if block is None:
+                    if not heard:
+                        raise Unanswered("the connection closed before a byte of the answer")
                     raise ConnectionResetError("the connection closed before the answer's head")
+                heard = True
                 data += block
             lines = data[:end].decode("latin-1").split("\r\n")
             data = data[end + 4 :]
@@ -142,6 +160,8 @@ class Answer:
             if not _DECIMAL.fullmatch(length.strip()):
                 raise BadAnswer(f"Content-Length {length!r}")
             self._length = int(length)
+        closes = "close" in self.headers.get("Connection", "").lower()
+        self.persistent = version == "HTTP/1.1" and not closes and (self._chunked or self._length is not None)
 
     async def body(self) -> AsyncIterator[bytes]:
         """The body's bytes, one piece per read of the connection, its framing taken off; ends where the body does.
@@ -202,6 +222,39 @@ class Answer:
             raise cut
         return False
 
+    def release(self, keep: Callable[[Reads], None]) -> None:
+        """The connection, once ``deliver``'s caller has had all it wants of the answer (its stream's end): to
+        ``keep`` for another request where the answer lets it carry one, else closed. What is left of the body (its
+        chunked end) is read in the connection's own callback as it comes; body bytes after the caller's end, or a
+        broken framing, close the connection, and any read after the body's end leaves it unfit (``Reads.idle``)."""
+        protocol, delivery = self._protocol, self._delivery
+        if not self.persistent or delivery is None or delivery.failed is not None or not protocol.open:
+            self.close()
+            return
+
+        def more(data: bytes) -> bool:
+            raise BadAnswer(f"{len(data)} bytes of the body after its end")
+
+        def finish(data: bytes) -> None:
+            if data:
+                delivery.feed(data)
+            if delivery.failed is not None:
+                self.close()
+            elif delivery.framing.done:
+                protocol.sink = None  # idle: a read from here on is kept, and leaves the connection unfit
+                protocol.resume()  # to hear the server close it
+
+        delivery.take, delivery.asked = more, False
+        pending = [b"", *protocol.blocks]
+        protocol.blocks.clear()
+        protocol.held = 0
+        protocol.sink = finish
+        for block in pending:
+            protocol.data_received(block)
+        if protocol.sink is finish:
+            protocol.resume()
+        keep(protocol)
+
     async def read(self) -> bytes:
         return b"".join([block async for block in self.body()])
 
@@ -257,14 +310,23 @@ class Answer:
 
 
 def request_bytes(
-    url: str, path: str, body: bytes, headers: Headers, *, method: str = "POST", absolute: bool = False
+    url: str,
+    path: str,
+    body: bytes,
+    headers: Headers,
+    *,
+    method: str = "POST",
+    absolute: bool = False,
+    keep_alive: bool = False,
 ) -> bytes:
     """The request for ``path`` on the server at ``url``: the method, the headers given, the body (a GET has none),
-    ``Connection: close``; ``absolute``: the target as a whole URL, as a proxy is asked (RFC 9112 section 3.2.2)."""
+    ``Connection: close`` unless ``keep_alive``; ``absolute``: the target as a whole URL, as a proxy is asked (RFC
+    9112 section 3.2.2)."""
     parts = urlsplit(url)
     target = f"{parts.scheme}://{parts.netloc}{parts.path}{path}" if absolute else f"{parts.path}{path}"
     length = "" if method == "GET" else f"Content-Length: {len(body)}\r\n"
-    head = f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n{length}Connection: close\r\n"
+    close = "" if keep_alive else "Connection: close\r\n"
+    head = f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n{length}{close}"
     return head.encode("latin-1") + _lines(headers) + b"\r\n" + body
 
 

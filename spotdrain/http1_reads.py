@@ -55,6 +55,16 @@ class Reads(asyncio.Protocol):
         self.error = self.error or exc
         self.wake()
 
+    @property
+    def open(self) -> bool:
+        """Neither end has closed the connection."""
+        return self.transport is not None and not self.transport.is_closing() and not self.eof
+
+    @property
+    def idle(self) -> bool:
+        """Open, nothing read since its last answer ended (``Answer.release``), no reader: fit for another request."""
+        return self.sink is None and not self.blocks and self.open
+
     def wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
