@@ -10,6 +10,10 @@ and null without; ``--ignore-token-ids`` answers as an engine without the field.
 can continue), as a replica whose node is reclaimed does. A request whose prompt is token ids (the prompt's own and
 the tokens generated so far: a continuation, gateway/continuation.py) is answered from the token after them, so the
 stream a client gets through the gateway is the one it would have got unbroken.
+
+An idle keep-alive connection is closed after ``--keepalive`` seconds, 5 by default as vLLM's: its uvicorn is started
+with ``timeout_keep_alive=VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s unless set (vllm/envs.py). A proxy's connections kept
+from one round to the next (more than 5 s apart) are closed before it, as they would be by vLLM.
 """
 
 from __future__ import annotations
@@ -92,9 +96,17 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.02)
     parser.add_argument("--ignore-token-ids", action="store_true", help="answer as an engine without the field")
     parser.add_argument("--break-every", type=int, default=0, help="drop one stream in N that asked for token ids")
+    parser.add_argument("--keepalive", type=float, default=5.0, help="seconds an idle connection is kept (vLLM's 5)")
     args = parser.parse_args()
     application = app(args.interval, token_ids=not args.ignore_token_ids, break_every=args.break_every)
-    web.run_app(application, host="127.0.0.1", port=args.port, print=None, access_log=None)
+    web.run_app(
+        application,
+        host="127.0.0.1",
+        port=args.port,
+        print=None,
+        access_log=None,
+        keepalive_timeout=args.keepalive,
+    )
 
 
 if __name__ == "__main__":

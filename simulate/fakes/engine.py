@@ -335,7 +335,9 @@ async def serve_engine(config: EngineConfig, *, host: str, port: int, stop: asyn
     """Serve until ``stop`` is set (SIGTERM), then end the open streams as vLLM does (``engine_shutdown``: with
     ``sigterm_ending``, or after ``shutdown_timeout_s``), and return once none is left."""
     engine = FakeEngine(config)
-    runner = web.AppRunner(engine.app(), access_log=None, handle_signals=False, shutdown_timeout=0.1)
+    runner = web.AppRunner(
+        engine.app(), access_log=None, handle_signals=False, shutdown_timeout=0.1, keepalive_timeout=config.keepalive_s
+    )
     await runner.setup()
     try:
         sites = [web.TCPSite(runner, host, port, reuse_address=True)]

@@ -45,6 +45,9 @@ class EngineConfig:
     tool_call_parser: str | None = None
     auto_tool_choice: bool = False
     reasoning_tokens: int = 200
+    # An idle keep-alive connection is closed after this: vLLM's uvicorn is started with
+    # timeout_keep_alive=VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default (vllm/envs.py).
+    keepalive_s: float = 5.0
 
     @property
     def thinking(self) -> bool:

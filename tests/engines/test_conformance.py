@@ -7,9 +7,12 @@ frame's fields and their types, ``object``, the id's prefix, finish and stop rea
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -224,3 +227,29 @@ async def test_metrics_families_match_real_vllm(vllm_servers: list[VllmServer], 
     real = await _families(vllm_servers[0].url)
     assert set(real) == set(FAMILIES)
     assert await _families(fake_url) == real
+
+
+async def _idle_close_s(url: str) -> float:
+    """Seconds from the end of an answer on a kept connection to the server's close of it."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: %b\r\n\r\n" % parts.netloc.encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = next(int(x[15:]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length:"))
+        await asyncio.wait_for(reader.readexactly(length), 10)
+        answered = time.monotonic()
+        assert await asyncio.wait_for(reader.read(1), 30) == b""
+        return time.monotonic() - answered
+    finally:
+        writer.close()
+
+
+async def test_an_idle_kept_connection_is_closed_after_the_same_time(
+    vllm_servers: list[VllmServer], fake_url: str
+) -> None:
+    """The gateway keeps its connections to an engine; the engine closes one idle for its keep-alive timeout."""
+    real, fake = await asyncio.gather(_idle_close_s(vllm_servers[0].url), _idle_close_s(fake_url))
+    print(f"idle close: vLLM {real:.2f} s, fake {fake:.2f} s")
+    assert 4.0 <= real <= 7.0
+    assert abs(fake - real) < 1.5
