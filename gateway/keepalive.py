@@ -2,10 +2,11 @@
 connect and a close (46 µs of the gateway's CPU each, measured with bench/gateway_peers.py's backend).
 
 A connection comes back once its stream has ended whole (``Answer.release``), is taken again by the next stream to
-that backend, newest first, and is closed after ``IDLE_S`` unused, when the backend goes out of rotation, or at once
-when the backend closes it (vLLM's uvicorn closes an idle one after 5 s). An engine's sidecar does not count an idle
-connection as a client (sidecar/connections.py), and one it cannot tell (its ``/proc/net/tcp`` fallback) is closed
-by the engine, or here when the sidecar's ``/ready`` turns the backend out of rotation.
+that backend, newest first, for ``MAX_AGE_S`` after it was made, and is closed after ``IDLE_S`` unused, when the
+backend goes out of rotation, or at once when the backend closes it (vLLM's uvicorn closes an idle one after 5 s). An
+engine's sidecar does not count an idle connection as a client (sidecar/connections.py), and one it cannot tell (its
+``/proc/net/tcp`` fallback) is closed by the engine, or here when the sidecar's ``/ready`` turns the backend out of
+rotation.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import time
 from spotdrain.http1_reads import Reads
 
 IDLE_S = 30.0  # above uvicorn's 5 s: the engine closes first, and its close takes the connection out here
+# A connection is taken again for this long after it was made, and no longer. Behind one URL (a Service, where the
+# gateway is not given the pods: ``--backend``, not ``--service``) a kept connection stays with the pod it reached,
+# out of rotation or not: a new connection goes where the Service now sends it.
+MAX_AGE_S = 10.0
 MOST = 1024  # idle connections kept to one backend; past this, the oldest is closed
 
 
@@ -32,10 +37,12 @@ class Kept:
         return len(self._idle)
 
     def take(self) -> Reads | None:
-        """The newest idle connection still fit for a request, or None; those found unfit on the way are closed."""
+        """The newest idle connection still fit for a request and made less than ``MAX_AGE_S`` ago, or None; those
+        found otherwise on the way are closed."""
+        now = time.monotonic()
         while self._idle:
             protocol, _ = self._idle.popitem()
-            if protocol.idle:
+            if protocol.idle and now - protocol.born < MAX_AGE_S:
                 return protocol
             _close(protocol)
         return None

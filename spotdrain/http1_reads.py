@@ -9,6 +9,7 @@ writer takes each read from there with no copy (a model fetch's large ones).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -20,7 +21,7 @@ VIEW = memoryview(BUFFER)
 class Reads(asyncio.Protocol):
     """A connection's reads, each as the bytes the transport made of it."""
 
-    __slots__ = ("_waiter", "blocks", "eof", "error", "held", "paused", "sink", "transport")
+    __slots__ = ("_waiter", "blocks", "born", "eof", "error", "held", "paused", "sink", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -31,6 +32,7 @@ class Reads(asyncio.Protocol):
         self.error: BaseException | None = None
         self.sink: Callable[[bytes], None] | None = None  # takes every read instead of ``blocks``
         self._waiter: asyncio.Future[None] | None = None
+        self.born = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, without being asyncio's class

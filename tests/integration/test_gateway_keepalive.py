@@ -33,8 +33,9 @@ class Forwarder:
     """A TCP forwarder in front of an engine that notes which connection carried each POST, and closes those whose
     number is in ``drop`` unanswered: a server's idle close as the request arrives."""
 
-    upstream: int
+    upstream: int  # where a new connection goes (a Service's choice of pod, which it may change)
     posts: list[int] = field(default_factory=list)  # for each POST, the number of its connection
+    reached: list[int] = field(default_factory=list)  # for each POST, the upstream its connection went to
     drop: set[int] = field(default_factory=set)
     accepted: int = 0
     dead: bool = False  # set by ``die``: no byte passes either way, and no new connection is taken
@@ -46,13 +47,14 @@ class Forwarder:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
-        number = self.accepted
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+        number, upstream = self.accepted, self.upstream
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream)
         back = asyncio.create_task(self._pump(up_reader, writer))
         try:
             while data := await reader.read(65536):
                 if data.startswith(b"POST "):
                     self.posts.append(number)
+                    self.reached.append(upstream)
                     if len(self.posts) - 1 in self.drop:
                         break
                 if self.dead:
@@ -119,6 +121,19 @@ async def test_streams_one_after_another_reach_the_engine_on_one_connection() ->
     assert_whole(got, want)
     assert len(forwarder.posts) == 4
     assert len(set(forwarder.posts)) == 1
+
+
+async def test_behind_one_url_a_kept_connection_is_not_taken_past_its_age_so_streams_follow_where_it_leads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(keepalive, "MAX_AGE_S", 0.5)
+    async with engines(HEALTHY, HEALTHY) as (one, two), forwarded(one) as (service, port), gateway(port) as gw:
+        await streams(gw.port, 1)
+        service.upstream = two  # the Service now sends new connections to another pod
+        await streams(gw.port, 1)  # on the kept connection, to the first
+        await asyncio.sleep(0.6)
+        await streams(gw.port, 1)  # past its age: a new connection
+    assert service.reached == [one, one, two]
 
 
 async def test_a_kept_connection_the_engine_closed_while_idle_is_passed_over() -> None:
