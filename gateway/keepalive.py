@@ -44,7 +44,7 @@ class Kept:
             protocol, _ = self._idle.popitem()
             if protocol.idle and now - protocol.born < MAX_AGE_S:
                 return protocol
-            _close(protocol)
+            protocol.close()
         return None
 
     def keep(self, protocol: Reads) -> None:
@@ -53,14 +53,14 @@ class Kept:
         if len(self._idle) > MOST:
             oldest = next(iter(self._idle))
             del self._idle[oldest]
-            _close(oldest)
+            oldest.close()
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(IDLE_S, self._expire)
 
     def close(self) -> None:
         """Close every idle connection (the backend is out of rotation, or gone)."""
         for protocol in self._idle:
-            _close(protocol)
+            protocol.close()
         self._idle.clear()
 
     def _expire(self) -> None:
@@ -74,9 +74,4 @@ class Kept:
                 self._timer = asyncio.get_running_loop().call_later(max(at + IDLE_S - now, 1.0), self._expire)
                 return
             del self._idle[oldest]
-            _close(oldest)
-
-
-def _close(protocol: Reads) -> None:
-    if protocol.transport is not None:
-        protocol.transport.close()
+            oldest.close()

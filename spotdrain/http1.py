@@ -85,8 +85,7 @@ class Answer:
 
     def close(self) -> None:
         """End the answer now (the relay reads no more of it)."""
-        if self._protocol.transport is not None:
-            self._protocol.transport.close()
+        self._protocol.close()
 
     async def send(
         self, path: str, body: bytes, headers: Headers, *, method: str = "POST", keep_alive: bool = False
@@ -245,10 +244,11 @@ class Answer:
                 protocol.resume()  # to hear the server close it
 
         delivery.take, delivery.asked = more, False
-        pending = [b"", *protocol.blocks]
+        pending = list(protocol.blocks)
         protocol.blocks.clear()
         protocol.held = 0
         protocol.sink = finish
+        finish(b"")  # the body may have ended already
         for block in pending:
             protocol.data_received(block)
         if protocol.sink is finish:

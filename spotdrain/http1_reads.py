@@ -67,6 +67,10 @@ class Reads(asyncio.Protocol):
         """Open, nothing read since its last answer ended (``Answer.release``), no reader: fit for another request."""
         return self.sink is None and not self.blocks and self.open
 
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
     def wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
