@@ -36,7 +36,9 @@ class Backend:
     picked: int = 0  # when it was last picked, to spread ties
     token_ids: bool = True  # takes ``return_token_ids`` (False once it refused the field)
     context_len: int | None = None  # its model's context (``max_model_len``), once asked
-    refusing: bool = False  # a stall probe found it refusing new connections (until it answers a request again)
+    # A stall probe found it refusing new connections, or one of its streams ended with an error event or an abort:
+    # its stalled streams move at once (gateway.stalls), until one of its streams ends whole.
+    failing: bool = False
     kept: Kept = field(default_factory=Kept, compare=False)  # its connections idle between streams
 
 
@@ -220,12 +222,12 @@ class Pool:
 
     def going_away(self, url: str) -> bool:
         """Whether the backend at ``url`` is leaving: its node's termination time is set, it is out of rotation (its
-        endpoint not ready or terminating, its ready URL failing) or gone from the Service, or it refused a
-        connection."""
+        endpoint not ready or terminating, its ready URL failing) or gone from the Service, it refused a connection,
+        or its engine ended a stream with an error event or an abort."""
         if url in self.leaving:
             return True
         backend = next((b for b in self.backends if b.url == url), None)
-        return backend is None or not backend.ready or backend.refusing
+        return backend is None or not backend.ready or backend.failing
 
     def any_ready(self) -> bool:
         return any(b.ready for b in self.backends)

@@ -169,7 +169,6 @@ async def relay(
         if isinstance(sent, Broken):
             return sent
         answer = sent
-        backend.refusing = False
         if answer.status >= 500:
             return Broken("server_error", f"HTTP {answer.status}")
         if answer.status != 200:  # the caller tells a refused field, and a refused continuation, from the rest
@@ -181,6 +180,10 @@ async def relay(
             await client.write(comment, content=False)
         end = await _events(answer, splicer, client, mover)
         whole = isinstance(end, Finished)
+        if whole:
+            backend.failing = False
+        elif isinstance(end, Broken) and end.cause in ("error_event", "abort"):
+            backend.failing = True  # its engine may have died
         return end
     except (ClientGone, asyncio.CancelledError):
         raise

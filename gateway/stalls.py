@@ -3,8 +3,11 @@
 vLLM 0.32.0 on SIGTERM (measured, default ``--shutdown-timeout 0``): in 8 of 18 tries an open stream gets no more
 bytes and no ``[DONE]`` while the connection stays open, until the client goes. Silence alone is no reason to leave
 a backend (a long prefill is silent too), but silence on one that is leaving is: its node has a termination time,
-it is out of rotation (its endpoint ``ready: false`` or ``terminating``, its ready URL failing), or it no longer
-accepts connections, which a probe tells when nothing else does.
+it is out of rotation (its endpoint ``ready: false`` or ``terminating``, its ready URL failing), it no longer
+accepts connections, which a probe tells when nothing else does, or another of its streams has just ended with an
+error event or an abort. vLLM 0.32.0 stops its engine before its listener, and logs a traceback before each
+stream's error event: with 56 streams on a busy 2-core machine, the last heard theirs 5-8 s after the first, the
+listener open all the while.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ STALL_MIN_S = 0.5  # ...but never sooner than this (a batch's prefill pauses eve
 STALL_MAX_S = 2.0  # ...and always after this, even before its first gap is known
 STALL_CHECK_S = 0.2  # how often streams are looked at
 PROBE_TIMEOUT_S = 1.0  # a backend that takes no connection within this is going away
+PROBE_EVERY_S = 0.5  # a backend with stalled streams is probed again this often while it takes connections
 
 
 def stall_bound(gap_s: float | None) -> float:
@@ -86,7 +90,7 @@ def _connected(sock: socket.socket) -> bool:
 
 async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float) -> None:
     """Every ``interval_s``, moves each stalled stream off a backend that is going away (cause ``stalled``); a
-    stall on a backend still in rotation gets it probed, at most once per ``STALL_MAX_S``, and a refused probe
+    stall on a backend still in rotation gets it probed, at most once per ``PROBE_EVERY_S``, and a refused probe
     makes it one that is going away. Runs until cancelled."""
     probed: dict[str, float] = {}  # backend URL -> when it was last probed
     probes: set[asyncio.Task[None]] = set()
@@ -94,8 +98,8 @@ async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float
     async def probe(url: str) -> None:
         if await refuses_connections(url, timeout_s=probe_timeout_s):
             backend = next((b for b in pool.backends if b.url == url), None)
-            if backend is not None and not backend.refusing:
-                backend.refusing = True  # its later stalls move at once
+            if backend is not None and not backend.failing:
+                backend.failing = True  # its later stalls move at once
                 log.warning("backend.refusing", backend=url)
             _move(url, stalled(pool.holding.get(url, ()), time.monotonic()))
 
@@ -109,7 +113,7 @@ async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float
                     continue
                 if pool.going_away(url):
                     _move(url, stuck)
-                elif now - probed.get(url, -STALL_MAX_S) >= STALL_MAX_S:
+                elif now - probed.get(url, -PROBE_EVERY_S) >= PROBE_EVERY_S:
                     probed[url] = now
                     task = asyncio.create_task(probe(url))
                     probes.add(task)

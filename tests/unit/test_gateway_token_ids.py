@@ -270,11 +270,11 @@ def test_the_usual_gap_folded_at_each_stall_check_is_the_one_folded_at_each_read
     assert slow.usual_gap() == 2.0  # GAP_SAMPLE_MAX_S: one long silence does not make the usual gap long
 
 
-def test_a_backend_is_going_away_when_leaving_out_of_rotation_gone_or_refusing() -> None:
+def test_a_backend_is_going_away_when_leaving_out_of_rotation_gone_or_failing() -> None:
     pool = Pool(["http://a:8000", "http://b:8000", "http://c:8000"], GatewayMetrics.create(CollectorRegistry()))
     a, b, c = pool.backends
     pool.set_ready(b, False)
-    c.refusing = True
+    c.failing = True
     assert [pool.going_away(x.url) for x in (a, b, c)] == [False, True, True]
     assert pool.going_away("http://gone:8000")
     pool.set_leaving({a.url: datetime(2030, 1, 1, tzinfo=UTC)})

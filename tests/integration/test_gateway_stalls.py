@@ -1,0 +1,84 @@
+"""A stream silent on a backend whose engine has just ended another stream with an error event moves on once past its
+stall bound: vLLM 0.32.0, stopped, sends each stream's error event after logging a traceback, seconds apart on a busy
+machine, its listener open all the while, so a probe finds it accepting."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import aiohttp
+from structlog.testing import capture_logs
+
+from simulate.fakes.sse_client import read_stream
+from tests.gateway_harness import engines, gateway, metric, readiness, reference
+from tests.integration.test_gateway_keepalive import forwarded
+from tests.integration.test_gateway_token_ids import COMPLETION, HEALTHY, USAGE, _hung, assert_same, hanging_engine
+
+ERRING = dataclasses.replace(HEALTHY, fault="error", fault_after=7)
+
+
+async def _posts(forwarder_posts: list[int], count: int) -> None:
+    async with asyncio.timeout(5):
+        while len(forwarder_posts) < count:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_stream_silent_beside_one_that_got_an_error_event_continues_within_the_stall_bound() -> None:
+    path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
+    want = await reference(path, body)
+    async with (
+        hanging_engine() as (hung, _),
+        engines(ERRING, HEALTHY) as (erring, healthy),
+        forwarded(hung) as (forwarder, front),  # one backend URL: its first connection hangs, the next errs
+        readiness(2) as (ready, urls),
+    ):
+        ready[1] = False  # both streams start on the front
+        flags = ("--ready-url", urls[0], "--ready-url", urls[1], "--read-timeout", "30")
+        async with gateway(front, healthy, flags=flags) as gw, aiohttp.ClientSession() as session:
+            silent = await _hung(gw.url(path), body, session)
+            forwarder.upstream = erring
+            started = time.monotonic()
+            erred = asyncio.create_task(read_stream(gw.url(path), body, session=session))
+            await _posts(forwarder.posts, 2)
+            ready[1] = True
+            forwarder.upstream = hung  # a continuation sent back to the front is not whole from there
+            got = await silent
+            waited = time.monotonic() - started
+            after_error = await erred
+            causes = {
+                cause: await metric(gw, f'spotdrain_gateway_continuations_total{{cause="{cause}"}}')
+                for cause in ("stalled", "error_event", "timeout")
+            }
+    assert_same(got, want)
+    assert_same(after_error, want)
+    assert causes["error_event"] >= 1
+    assert causes["stalled"] >= 1
+    assert causes["timeout"] == 0
+    assert waited < 3.0  # its stall bound and the watcher's interval, not a probe (it accepts) or the read timeout
+
+
+async def test_a_stream_that_ends_whole_clears_the_error_and_a_silent_stream_then_stays() -> None:
+    path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
+    want = await reference(path, body)
+    async with (
+        hanging_engine() as (hung, _),
+        engines(ERRING, HEALTHY) as (erring, healthy),
+        forwarded(erring) as (forwarder, front),
+        gateway(front) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        erred = asyncio.create_task(read_stream(gw.url(path), body, session=session))
+        await _posts(forwarder.posts, 1)
+        forwarder.upstream = healthy  # its continuation, back on the only backend, ends whole
+        assert_same(await erred, want)
+        forwarder.upstream = hung
+        forwarder.drop = {len(forwarder.posts)}  # the kept connection to the healthy engine: the request goes anew
+        silent = await _hung(gw.url(path), body, session)
+        with capture_logs() as logs:
+            await asyncio.sleep(1.5)  # past its stall bound (0.5 s at this engine's pace) and the watcher's interval
+        assert not silent.done()
+        assert [e for e in logs if e["event"] == "gateway.moving"] == []
+        assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="error_event"}') >= 1
+        silent.cancel()
