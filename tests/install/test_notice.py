@@ -47,6 +47,12 @@ def _field(line: str, index: int) -> str:
     return fields[index].strip() if len(fields) > index else ""
 
 
+def follow(cluster: Cluster, pod: str, container: str) -> subprocess.Popen[str]:
+    """The container's log, as it comes, until the pod is gone."""
+    command = ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "logs", "-f", "-n", "inference", pod, "-c", container]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def watches(cluster: Cluster, moments: Moments, pod: str) -> list[Watch]:
     """The node, the Service's EndpointSlice and the pod, each watched for the moments the timeline gives."""
     node = ["node", SPOT.name, "-o", 'jsonpath={.spec.unschedulable}|{.spec.taints}{"\\n"}']
@@ -79,14 +85,9 @@ def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(instal
     pod = wait_ready(installed, "inference", "app.kubernetes.io/name=vllm", "vllm pod Ready (for the notice)")
     name = pod["metadata"]["name"]
     moments = Moments("notice")
-    logs = subprocess.Popen(
-        ["kubectl", f"--kubeconfig={cluster.kubeconfig}", "logs", "-f", "-n", "inference", name, "-c", "vllm"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    logs, sidecar_logs = (follow(cluster, name, container) for container in ("vllm", "spotdrain"))
     watching = watches(cluster, moments, name)
-    engine_log = ""
+    engine_log = sidecar_log = ""
     try:
         proxy = f"/api/v1/namespaces/inference/pods/{name}:8000/proxy"
         streams = [Completion(cluster, proxy, tokens, moments, n) for n, tokens in enumerate(STREAMS, 1)]
@@ -98,14 +99,19 @@ def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(instal
         cluster.wait_for("the pod gone", lambda: not cluster.kubectl(*gone), TIMEOUT_S)
         moments.mark("pod gone")
         engine_log, _ = logs.communicate(timeout=TIMEOUT_S)
+        sidecar_log, _ = sidecar_logs.communicate(timeout=TIMEOUT_S)
         node = cluster.get("node", SPOT.name)
     finally:
         for watch in watching:
             watch.stop()
-        if logs.poll() is None:
-            logs.kill()
-            logs.communicate(timeout=10)
+        for following in (logs, sidecar_logs):
+            if following.poll() is None:
+                following.kill()
+                following.communicate(timeout=10)
         print("\n" + "\n".join(moments.lines()))
+        # What held the drain, if anything did: the sidecar's judgement of the engine's connections and its drain.
+        print("\n".join(f"[sidecar] {line}" for line in sidecar_log.splitlines() if "engine.connections" in line))
+        print("\n".join(f"[sidecar] {line}" for line in sidecar_log.splitlines() if "drain." in line))
         for watch in watching:
             print("\n".join(f"[notice] {at:6.2f} s  {watch.what}: {line}" for at, line in watch.lines))
     seen = moments.seen
