@@ -110,8 +110,8 @@ def test_a_spot_notice_drains_the_engine_pod_with_every_open_stream_whole(instal
                 following.communicate(timeout=10)
         print("\n" + "\n".join(moments.lines()))
         # What held the drain, if anything did: the sidecar's judgement of the engine's connections and its drain.
-        print("\n".join(f"[sidecar] {line}" for line in sidecar_log.splitlines() if "engine.connections" in line))
-        print("\n".join(f"[sidecar] {line}" for line in sidecar_log.splitlines() if "drain." in line))
+        held = [line for line in sidecar_log.splitlines() if '"engine.connections' in line or '"drain.' in line]
+        print("\n".join(f"[sidecar] {line}" for line in held))
         for watch in watching:
             print("\n".join(f"[notice] {at:6.2f} s  {watch.what}: {line}" for at, line in watch.lines))
     seen = moments.seen
