@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from functools import partial
 
 import structlog
 
@@ -14,7 +13,7 @@ from sidecar.lifecycle import Lifecycle
 from sidecar.metrics import SidecarMetrics
 from sidecar.record import DrainRecord, write_record
 from sidecar.settings import DrainSettings
-from sidecar.state import Drain, Outcome, needs_connections, next_poll_delay, observe, streams_cut
+from sidecar.state import Drain, Outcome, next_poll_delay, observe, streams_cut
 from spotdrain.clock import utcnow
 
 log = structlog.get_logger()
@@ -54,7 +53,9 @@ async def drainer(
     await asyncio.sleep(max(0.0, settled_at - loop.time()))
     confirm_s = settings.zero_confirm_s
     while True:
-        reading = await engine.read(wants_connections=partial(needs_connections, drain, zero_confirm_s=confirm_s))
+        # Connections are looked at on every reading, so that each look has the one before to tell a kept-alive
+        # client's whole exchange since (a Prometheus scrape, a health check) from a request that followed an answer.
+        reading = await engine.read(connections=True)
         drain, outcome = observe(drain, reading, stall_after_s=settings.stall_after_s, zero_confirm_s=confirm_s)
         if outcome is not None:
             break

@@ -74,11 +74,11 @@ class EngineClient:
             self.last_health_error = problem
         return (True, "ok") if problem is None else (False, problem)
 
-    async def read(self, *, wants_connections: Callable[[Reading], bool] = lambda _: False) -> Reading:
+    async def read(self, *, connections: bool = False) -> Reading:
         """One reading; a part that cannot be read is None, and the failure is logged once and counted.
 
-        ``connections`` is how many connections to the engine's port may carry a request not yet answered (idle
-        keep-alive ones do not count); they are looked at only when ``wants_connections`` says a rule needs them.
+        ``connections``: also count the connections to the engine's port that may carry a request not yet answered
+        (idle keep-alive ones do not count).
         """
         loop = asyncio.get_running_loop()
         # A page shows the engine as it was when asked, at the latest: the reading is timed then.
@@ -94,7 +94,7 @@ class EngineClient:
             self.last_error = None
         self.metrics.in_flight.set(engine.in_flight)
         reading = Reading(at=asked, in_flight=engine.in_flight, tokens=engine.tokens)
-        if wants_connections(reading):
+        if connections:
             reading = replace(reading, connections=await self._connections())
         return reading
 

@@ -92,12 +92,6 @@ def _zero_confirmed(drain: Drain, reading: Reading, zero_confirm_s: float) -> bo
     return drain.zero_since is not None and reading.at - drain.zero_since >= zero_confirm_s
 
 
-def needs_connections(drain: Drain, reading: Reading, *, zero_confirm_s: float) -> bool:
-    """Whether this reading needs the connection count: for the stall rule when nothing else has moved, and
-    once a zero is confirmed, so a drain looks at connections about once unless one holds."""
-    return _still(drain.last, reading) or _zero_confirmed(drain, reading, zero_confirm_s)
-
-
 def observe(
     drain: Drain, reading: Reading, *, stall_after_s: float, zero_confirm_s: float
 ) -> tuple[Drain, Outcome | None]:

@@ -10,7 +10,6 @@ from sidecar.state import (
     Phase,
     Reading,
     advance,
-    needs_connections,
     next_poll_delay,
     observe,
     streams_cut,
@@ -191,20 +190,3 @@ def test_every_drain_ends_by_its_deadline_and_only_for_a_reason(
             assert streams_cut(drain, outcome) >= 0
             return
         assert reading.at < deadline
-
-
-def test_connections_are_counted_only_when_nothing_else_has_moved_or_a_zero_is_confirmed() -> None:
-    def needs(readings: list[Reading], reading: Reading) -> bool:
-        drain = Drain(started_at=0, deadline=100)
-        for each in readings:
-            drain, _ = observe(drain, each, stall_after_s=STALL_S, zero_confirm_s=CONFIRM_S)
-        return needs_connections(drain, reading, zero_confirm_s=CONFIRM_S)
-
-    still = Reading(1, 3, tokens=10.0)
-    assert needs([still], Reading(2, 3, tokens=10.0)) is True
-    assert needs([], still) is False
-    assert needs([still], Reading(2, 2, tokens=10.0)) is False
-    assert needs([still], Reading(2, 3, tokens=11.0)) is False
-    assert needs([still], Reading(2, None)) is False
-    assert needs([Reading(1, 0)], Reading(1.5, 0)) is False, "a zero not yet confirmed needs no count"
-    assert needs([Reading(1, 0)], Reading(2, 0)) is True, "a confirmed zero needs one"
