@@ -82,8 +82,9 @@ def floor() -> Peer:
     return Peer(FLOOR, [*argv, "--workers", str(default_workers())])
 
 
-async def client_run(url: str, load: Load) -> tuple[list[float], int, int, list[str]]:
-    """``load``'s streams to ``url`` from its client processes: latencies, streams, exact streams, faults."""
+async def client_run(url: str, load: Load, *, spread_s: float | None = None) -> tuple[list[float], int, int, list[str]]:
+    """``load``'s streams to ``url`` from its client processes, started over ``spread_s`` (one chunk interval
+    unless given): latencies, streams, exact streams, faults."""
     body = {"model": "bench", "prompt": "x", "max_tokens": load.chunks}
     shares = [load.streams // load.clients + (c < load.streams % load.clients) for c in range(load.clients)]
     children = [
@@ -91,7 +92,7 @@ async def client_run(url: str, load: Load) -> tuple[list[float], int, int, list[
             sys.executable,
             "-m",
             "bench.relay_client",
-            json.dumps({"url": url, "count": share, "body": body, "spread_s": load.interval_s}),
+            json.dumps({"url": url, "count": share, "body": body, "spread_s": spread_s or load.interval_s}),
             stdout=asyncio.subprocess.PIPE,
         )
         for share in shares

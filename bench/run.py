@@ -19,6 +19,7 @@ from bench import (
     gateway,
     gateway_chunk,
     gateway_peers,
+    gateway_streams,
     inflight_parse,
     node,
     prestop,
@@ -47,6 +48,7 @@ async def run(names: set[str]) -> list[Result]:
         ("gateway", gateway),
         ("gateway-chunk", gateway_chunk),
         ("gateway-peers", gateway_peers),
+        ("gateway-streams", gateway_streams),
         ("webhook", webhook),
         ("footprint", footprint),
     )

@@ -19,6 +19,7 @@ import json
 from dataclasses import asdict
 from bench.peer_figures import CONTINUED, LOADS, Run, Target, added, results
 from bench.peer_routers import Missing
+from bench.gateway_streams import LONG, SHORT, split
 
 def target(name, per_round_ms, *, cpu_s=0.1, exact=True):
     runs = [Run([ms] * 100, 1, int(exact), [] if exact else ["event 3"], cpu_s, 1.0) for ms in per_round_ms]
@@ -82,6 +83,11 @@ out = {
         )
     ),
     "loads": len(LOADS),
+    # a stream's start and end, and a chunk, made into the CPU per short and per long stream, and told apart again
+    "split": [
+        [made, list(split(made[0] + SHORT.chunks * made[1], made[0] + LONG.chunks * made[1]))]
+        for made in ([946.0, 34.5], [0.0, 22.0], [666.0, 0.0])
+    ],
 }
 print(json.dumps(out))
 """
@@ -138,3 +144,8 @@ def test_continued_loads_are_set_beside_the_routers_figures_of_the_same_rounds(f
     assert (p50["value"], p50["passed"]) == (1.0, False)  # 2.0 ms added against the router's 1.0
     plain = figures["continued"]["gateway_peers_cpu_per_chunk_ratio_500_streams"]
     assert (plain["value"], plain["passed"]) == (2.0, False)
+
+
+def test_a_streams_start_and_end_is_told_from_its_chunks_by_a_short_and_a_long_load(figures: dict[str, Any]) -> None:
+    for made, told in figures["split"]:
+        assert told == pytest.approx(made)
