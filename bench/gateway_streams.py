@@ -32,8 +32,8 @@ LONG = Load("100 streams of 100 chunks", 100, 100, 0.02, 2)
 async def _cpu_per_stream(pid: int, url: str, load: Load, *, spread_s: float) -> tuple[float, int]:
     """µs of the target's CPU per stream of ``load``, and how many of its streams were not exact."""
     before = tree_cpu_s(pid)
-    _, streams, exact, _ = await client_run(url, load, spread_s=spread_s)
-    return (tree_cpu_s(pid) - before) * 1e6 / load.streams, load.streams - exact + max(0, streams - load.streams)
+    _, _, exact, _ = await client_run(url, load, spread_s=spread_s)
+    return (tree_cpu_s(pid) - before) * 1e6 / load.streams, load.streams - exact
 
 
 async def _rounds(workdir: Path, proxies: list[Peer]) -> tuple[dict[str, list[tuple[float, float]]], int]:
