@@ -18,6 +18,7 @@ import select
 import socket
 import time
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
@@ -53,17 +54,19 @@ async def refuses_connections(url: str, *, timeout_s: float) -> bool:
 
     The kernel's word decides, not this loop's order: a loop held up past ``timeout_s`` (a busy worker) runs the
     timeout together with the finished connect, and the timeout wins; so on a timeout the socket itself is asked
-    whether it connected. A backend in rotation that looked refusing would have its stalled streams moved.
+    whether it connected, and a timeout before any connect was tried (a name still resolving, in a thread whose
+    answer waits for the held-up loop) says nothing of the backend: not refusing. An IP address is not resolved in
+    a thread at all. A backend in rotation that looked refusing would have its stalled streams moved.
     """
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     loop = asyncio.get_running_loop()
     sock: socket.socket | None = None
+    tried = False
     try:
         async with asyncio.timeout(timeout_s):
-            for family, kind, proto, _, address in await loop.getaddrinfo(
-                parts.hostname, port, type=socket.SOCK_STREAM
-            ):
+            for family, kind, proto, _, address in await _addresses(loop, parts.hostname, port):
+                tried = True
                 sock = socket.socket(family, kind, proto)
                 sock.setblocking(False)
                 with contextlib.suppress(OSError):
@@ -72,13 +75,21 @@ async def refuses_connections(url: str, *, timeout_s: float) -> bool:
                 sock.close()
                 sock = None
     except TimeoutError:
-        return sock is None or not _connected(sock)
+        return tried and (sock is None or not _connected(sock))
     except OSError:  # the name does not resolve
         pass
     finally:
         if sock is not None:
             sock.close()
     return True
+
+
+async def _addresses(loop: asyncio.AbstractEventLoop, host: str | None, port: int) -> list[Any]:
+    """``host``'s addresses: at once for an IP address, else from the loop's resolver (a thread)."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError):
+        return await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 def _connected(sock: socket.socket) -> bool:

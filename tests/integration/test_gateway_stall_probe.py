@@ -98,3 +98,23 @@ async def test_a_loop_held_up_past_the_timeout_still_finds_a_full_queue_refusing
 
 async def test_a_name_that_does_not_resolve_is_refusing() -> None:
     assert await refuses_connections("http://backend.invalid:8000", timeout_s=5.0)
+
+
+async def test_a_loop_held_up_while_a_name_resolves_does_not_make_a_listener_refusing() -> None:
+    """The name resolves in a thread, whose answer waits for the loop: the timeout comes first, and says nothing."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        probe = asyncio.create_task(refuses_connections(f"http://localhost:{port}", timeout_s=0.3))
+        await asyncio.sleep(0)  # the probe has asked the resolver
+        time.sleep(1.0)  # noqa: ASYNC251 (the point: the loop held up)
+        assert not await probe
+
+
+async def test_an_ip_address_is_probed_without_the_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def hung(*_: object, **__: object) -> object:
+        await asyncio.sleep(60)
+        raise AssertionError("resolved")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", hung)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        assert not await refuses_connections(f"http://127.0.0.1:{server.getsockname()[1]}", timeout_s=1.0)
