@@ -202,19 +202,21 @@ def cuts(recorded: Recorded, markers: Markers, tool_start: int) -> list[int]:
     wanted = [1, end, end + 1, end + 3, len(ids) - 2]
     if call is not None:
         wanted += [call + 1, call + 6, call + 14, len(ids) - 12]
+    ends = _ends(recorded)
+    return sorted({n for n in wanted if 0 < n < len(ids) and n in ends})
+
+
+def _ends(recorded: Recorded) -> set[int]:
+    """The token counts where both streams end a chunk and the raw text is not in the middle of a character."""
     chat_ends = set(accumulate(len(c["token_ids"]) for c in recorded.choices))
     raw = recorded.pieces
-    raw_ends = {n for n, p in zip(accumulate(len(p.ids) for p in raw), raw, strict=True) if p.text}
-    return sorted({n for n in wanted if 0 < n < len(ids) and n in chat_ends and n in raw_ends})
+    return chat_ends & {n for n, p in zip(accumulate(len(p.ids) for p in raw), raw, strict=True) if p.text}
 
 
 def chunk_end(recorded: Recorded, n: int) -> int:
-    """The last token count at or before ``n`` where both streams end a chunk and the raw one a character: a stream
-    breaks between chunks, and vLLM puts several tokens in one chunk when its API server falls behind the engine."""
-    chat_ends = set(accumulate(len(c["token_ids"]) for c in recorded.choices))
-    raw = recorded.pieces
-    raw_ends = {k for k, p in zip(accumulate(len(p.ids) for p in raw), raw, strict=True) if p.text}
-    return max(k for k in chat_ends & raw_ends if k <= n)
+    """The last of ``_ends`` at or before ``n``: a stream breaks between chunks, and vLLM puts several tokens in one
+    chunk when its API server falls behind the engine."""
+    return max(k for k in _ends(recorded) if k <= n)
 
 
 def before_cut(recorded: Recorded, n: int) -> tuple[list[Delta], list[Piece]]:
