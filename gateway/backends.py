@@ -11,12 +11,14 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
 
 from gateway.keepalive import Kept
 from gateway.metrics import GatewayMetrics
+from spotdrain import http1
 from spotdrain.clock import rfc3339
 
 log = structlog.get_logger()
@@ -236,32 +238,40 @@ class Pool:
         self.metrics.backends_ready.set(sum(b.ready for b in self.backends))
 
 
-CLOSE = {"Connection": "close"}
-
-
-async def health_checker(session: aiohttp.ClientSession, pool: Pool, *, interval_s: float, timeout_s: float) -> None:
-    """Asks every backend's ready URL each interval; a 200 makes it ready, anything else not. Runs until cancelled.
+async def health_checker(pool: Pool, *, interval_s: float, timeout_s: float) -> None:
+    """Asks every backend's ready URL each interval; a 200 makes it ready, anything else not (a redirect too, a
+    hung or cut answer, one that is not HTTP). Runs until cancelled.
 
     The engine's ``/health`` stays 200 while its pod drains; a sidecar's ``/ready`` turns 503 at the drain's start,
     which is why ``--ready-url`` exists: a draining pod then gets no new request, as a Service would do. Each check
-    closes its connection: one kept open to the engine's port would look, to the pod's sidecar, like a client still
-    there.
+    is one connection of its own, closed once the answer's head is read: one kept open to the engine's port would
+    look, to the pod's sidecar, like a client still there. A stream that broke asks for a check at once
+    (``Pool.fresh``), so checks come with every break: each is made as the relay makes its requests
+    (spotdrain/http1.py), at half an aiohttp request's CPU.
     """
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-
-    async def check(backend: Backend) -> None:
-        try:
-            async with session.get(backend.ready_url, timeout=timeout, headers=CLOSE) as response:
-                pool.set_ready(backend, response.status == 200)
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            pool.set_ready(backend, False)
-
     while True:
         pool.recheck.clear()
-        await asyncio.gather(*(check(b) for b in pool.backends))
+        await asyncio.gather(*(check_ready(pool, b, timeout_s=timeout_s) for b in pool.backends))
         with suppress(TimeoutError):
             async with asyncio.timeout(interval_s):
                 await pool.recheck.wait()
+
+
+async def check_ready(pool: Pool, backend: Backend, *, timeout_s: float) -> None:
+    """One look at ``backend``'s ready URL, all of it within ``timeout_s``."""
+    query = urlsplit(backend.ready_url).query
+    answer: http1.Answer | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            answer = await http1.connect(backend.ready_url, connect_s=timeout_s)
+            await answer.send(f"?{query}" if query else "", b"", {}, method="GET")
+        ready = answer.status == 200
+    except (OSError, TimeoutError, http1.BadAnswer, ValueError):
+        ready = False  # ValueError: a URL whose port is not one
+    finally:
+        if answer is not None:
+            answer.close()
+    pool.set_ready(backend, ready)
 
 
 async def context_length(

@@ -81,7 +81,6 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
             (
                 "health_checker",
                 health_checker(
-                    session,
                     pool,
                     interval_s=settings.timeouts.health_interval_s,
                     timeout_s=settings.timeouts.connect_s,

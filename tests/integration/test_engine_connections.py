@@ -154,13 +154,12 @@ async def _dump_as_nobody(python: str, directory: Path) -> subprocess.CompletedP
 async def test_the_gateways_health_checks_leave_no_connection_open_on_the_engine_port() -> None:
     async with running_engine(EngineConfig()) as port:
         pool = Pool([f"http://127.0.0.1:{port}"], GatewayMetrics.create(CollectorRegistry()))
-        async with aiohttp.ClientSession() as session:  # pooled, as the gateway's own session is
-            checking = asyncio.create_task(health_checker(session, pool, interval_s=0.05, timeout_s=1))
-            await until(lambda: pool.any_ready(), timeout_s=5)
-            looks = []
-            for _ in range(20):
-                await asyncio.sleep(0.03)
-                looks.append(open_count(port))
-            checking.cancel()
+        checking = asyncio.create_task(health_checker(pool, interval_s=0.05, timeout_s=1))
+        await until(lambda: pool.any_ready(), timeout_s=5)
+        looks = []
+        for _ in range(20):
+            await asyncio.sleep(0.03)
+            looks.append(open_count(port))
+        checking.cancel()
         assert max(looks) <= 1, f"connections open at each look: {looks}"
         assert looks.count(0) >= 15, f"connections open at each look: {looks}"

@@ -1,0 +1,130 @@
+"""The gateway's health checks against ready URLs on 127.0.0.1 that answer, refuse, hang, cut or talk nonsense."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from gateway.backends import Backend, Pool, check_ready, health_checker
+from gateway.metrics import GatewayMetrics
+from simulate.fakes.processes import free_port
+from spotdrain.metrics import CollectorRegistry
+from tests.conftest import until
+
+Answering = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+TIMEOUT_S = 0.3
+
+
+def pool_of(url: str, *, ready: bool) -> tuple[Pool, Backend]:
+    pool = Pool([url], GatewayMetrics.create(CollectorRegistry()))
+    backend = pool.backends[0]
+    backend.ready = ready
+    return pool, backend
+
+
+@contextlib.asynccontextmanager
+async def ready_url(answering: Answering, *, port: int = 0) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A server on 127.0.0.1 answering each connection with ``answering``; the request heads it read."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            await answering(reader, writer)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port or free_port())
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", heads
+
+
+def answer(raw: bytes) -> Answering:
+    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(raw)
+        await writer.drain()
+
+    return answering
+
+
+async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await asyncio.sleep(30)
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def test_a_200_makes_a_backend_ready_and_the_request_asks_for_its_path_and_query_and_closes() -> None:
+    async with ready_url(answer(OK)) as (url, heads):
+        pool, backend = pool_of(url, ready=False)
+        backend.ready_url = f"{url}/ready?deep=1"
+        await check_ready(pool, backend, timeout_s=TIMEOUT_S)
+    assert backend.ready
+    line, *fields = heads[0].decode().split("\r\n")
+    assert line == "GET /ready?deep=1 HTTP/1.1"
+    assert "Connection: close" in fields
+    assert not any(f.lower().startswith("content-length") for f in fields)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",  # the sidecar at a drain's start
+        b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 301 Moved Permanently\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n",
+        b"SSH-2.0-OpenSSH_9.2\r\n\r\n",  # not HTTP
+        b"HTTP/1.1 200 OK\r\nContent-",  # cut inside the head
+        b"",  # closed without a byte
+    ],
+    ids=["503", "500", "429", "redirect", "not-http", "cut-head", "closed"],
+)
+async def test_anything_but_a_whole_200_head_makes_a_ready_backend_unready(raw: bytes) -> None:
+    async with ready_url(answer(raw)) as (url, _):
+        pool, backend = pool_of(url, ready=True)
+        await check_ready(pool, backend, timeout_s=TIMEOUT_S)
+    assert not backend.ready
+
+
+async def test_a_ready_url_that_hangs_is_unready_within_the_timeout() -> None:
+    async with ready_url(hang) as (url, heads):
+        pool, backend = pool_of(url, ready=True)
+        started = time.monotonic()
+        await check_ready(pool, backend, timeout_s=TIMEOUT_S)
+        took = time.monotonic() - started
+    assert heads, "the request reached the server"
+    assert not backend.ready
+    assert TIMEOUT_S <= took < TIMEOUT_S + 0.5
+
+
+async def test_a_backend_whose_port_refuses_turns_unready_and_ready_again_once_it_listens_again() -> None:
+    port = free_port()
+    pool, backend = pool_of(f"http://127.0.0.1:{port}", ready=True)
+    checking = asyncio.create_task(health_checker(pool, interval_s=0.05, timeout_s=TIMEOUT_S))
+    try:
+        await until(lambda: not backend.ready, timeout_s=5)
+        async with ready_url(answer(OK), port=port):
+            await until(lambda: backend.ready, timeout_s=5)
+        await until(lambda: not backend.ready, timeout_s=5)
+    finally:
+        checking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checking
+
+
+async def test_a_break_asks_for_a_check_at_once_and_a_backend_that_turned_ready_is_found_within_the_pause() -> None:
+    async with ready_url(answer(OK)) as (url, heads):
+        pool, backend = pool_of(url, ready=False)
+        checking = asyncio.create_task(health_checker(pool, interval_s=60, timeout_s=TIMEOUT_S))
+        try:
+            await until(lambda: len(heads) == 1, timeout_s=5)  # the first round; the next is a minute away
+            backend.ready = False  # as a failed stream leaves it
+            assert await pool.fresh(set(), within_s=1.0)
+            assert len(heads) == 2
+        finally:
+            checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checking
