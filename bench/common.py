@@ -52,8 +52,14 @@ def rss_mb(pid: int) -> float:
 
 def cpu_s(pid: int) -> float:
     """User plus system CPU seconds a process has used so far."""
+    return sum(cpu_split_s(pid))
+
+
+def cpu_split_s(pid: int) -> tuple[float, float]:
+    """The user and the system CPU seconds a process has used so far (``utime``, ``stime``: proc(5))."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def pss_mb(pid: int, *, proc: Path = Path("/proc")) -> float | None:
@@ -87,11 +93,17 @@ def _children(pid: int) -> list[int]:
 
 
 def tree_cpu_s(pid: int) -> float:
-    total = 0.0
+    return sum(tree_cpu_split_s(pid))
+
+
+def tree_cpu_split_s(pid: int) -> tuple[float, float]:
+    """The user and the system CPU seconds of ``pid`` and every process under it."""
+    user = system = 0.0
     for each in tree(pid):
         with suppress(OSError, RuntimeError):
-            total += cpu_s(each)
-    return total
+            u, k = cpu_split_s(each)
+            user, system = user + u, system + k
+    return user, system
 
 
 def tree_rss_mb(pid: int) -> tuple[float, float]:

@@ -10,8 +10,9 @@ backend dropping one stream in ten halfway (``--break-every``) of those that ask
 which it continues on the backend: no router continues a stream, and none asks for ids, so the routers' streams (and
 the direct ones) in those rounds are whole, measured beside the gateway's under the same load. Clients run in
 processes of their own (bench/relay_client.py) and check every event byte for byte, a continued stream's too. A
-figure is the median over rounds; "added" is a target's percentile less the direct one of the same round. This is a
-shared 2-core machine: the load average at each round's start is in the details.
+figure is the median over rounds; "added" is a target's percentile less the direct one of the same round. Each
+target's CPU is also told into the system time of its processes (the kernel's work for its calls) and the rest (its
+own code). This is a shared 2-core machine: the load average at each round's start is in the details.
 
 Targets (on 2 cores): CPU per chunk at 100 and at 500 streams at most the better router's, with streams continued
 or not; at 500 streams, with streams continued or not, p50 and p99 added at most the better router's, and p50 added
@@ -32,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
-from bench.common import Result, tree_cpu_s, tree_rss_mb
+from bench.common import Result, tree_cpu_split_s, tree_rss_mb
 from bench.peer_figures import CONTINUED, DIRECT, LOADS, Load, Run, Target, merged, results, table
 from bench.peer_routers import LITELLM_SKIPPED, Missing, Peer, argv_for, routers
 from gateway.cpus import default_workers
@@ -113,7 +114,7 @@ async def client_run(url: str, load: Load, *, spread_s: float | None = None) -> 
 
 async def measured(target: Target, load: Load) -> Run:
     """One run of ``load`` against ``target``, its CPU and peak memory followed meanwhile."""
-    before = tree_cpu_s(target.pid) if target.pid else 0.0
+    before = tree_cpu_split_s(target.pid) if target.pid else (0.0, 0.0)
     sampling = asyncio.create_task(_peak(target)) if target.pid else None
     load_average = os.getloadavg()[0]
     try:
@@ -121,8 +122,10 @@ async def measured(target: Target, load: Load) -> Run:
     finally:
         if sampling is not None:
             sampling.cancel()
-    used = tree_cpu_s(target.pid) - before if target.pid else None
-    return Run(latencies, streams, exact, faults, used, load_average)
+    if not target.pid:
+        return Run(latencies, streams, exact, faults, None, load_average)
+    user, kernel = (after - at for after, at in zip(tree_cpu_split_s(target.pid), before, strict=True))
+    return Run(latencies, streams, exact, faults, user + kernel, load_average, kernel_s=kernel)
 
 
 async def _peak(target: Target) -> None:

@@ -55,6 +55,7 @@ class Run:
     faults: list[str]
     cpu_s: float | None  # the target's processes, over the run (None: direct)
     load_average: float
+    kernel_s: float | None = None  # of cpu_s, the system's part: the kernel's work for the target's calls
 
     def p(self, q: float) -> float:
         return percentile(self.latencies_ms, q)
@@ -62,6 +63,10 @@ class Run:
     @property
     def cpu_per_chunk_us(self) -> float | None:
         return None if self.cpu_s is None else self.cpu_s / max(1, len(self.latencies_ms)) * 1e6
+
+    @property
+    def kernel_per_chunk_us(self) -> float | None:
+        return None if self.kernel_s is None else self.kernel_s / max(1, len(self.latencies_ms)) * 1e6
 
 
 @dataclass
@@ -94,6 +99,18 @@ def cpu_per_chunk_us(target: Target, load: str) -> float | None:
     return None if None in values else _median([v for v in values if v is not None])
 
 
+def kernel_per_chunk_us(target: Target, load: str) -> tuple[float, float] | None:
+    """The medians over rounds of the kernel's part of ``target``'s CPU per chunk and of the rest (the target's own
+    code); None where a round has no split."""
+    runs = target.runs[load]
+    pairs = [(run.kernel_per_chunk_us, run.cpu_per_chunk_us) for run in runs]
+    if any(kernel is None or whole is None for kernel, whole in pairs):
+        return None
+    kernels = [kernel for kernel, _ in pairs if kernel is not None]
+    rests = [whole - kernel for kernel, whole in pairs if kernel is not None and whole is not None]
+    return _median(kernels), _median(rests)
+
+
 def rounds_detail(direct: Target, rounds: int) -> str:
     loads = {name: [round(run.load_average, 2) for run in runs] for name, runs in direct.runs.items()}
     return f"{rounds} rounds; load average (1 min) at each round's start: {json.dumps(loads)}"
@@ -116,7 +133,22 @@ def table(targets: list[Target]) -> str:
         rows += ["", "| proxy | " + " | ".join(f"{load.name}: p50 / p99" for load in CONTINUED) + " | CPU per chunk |"]
         rows += ["| --- | --- | --- | --- |"]
         rows += [f"| {t.name} | {_cells(t, CONTINUED)} |" for t in continued]
+    split = [t for t in targets if t.pid is not None]
+    if split:
+        loads = " / ".join(load.name for load in LOADS[1:])
+        rows += ["", f"| proxy | CPU per chunk in the kernel, {loads} | the rest (its own code), {loads} |"]
+        rows += ["| --- | --- | --- |"]
+        rows += [f"| {t.name} | {_split_cells(t)} |" for t in split]
     return "\n".join(rows)
+
+
+def _split_cells(target: Target) -> str:
+    """The kernel's part and the rest of the CPU per chunk, at each load with streams in the hundreds."""
+    splits = [kernel_per_chunk_us(target, load.name) for load in LOADS[1:]]
+    known = [split for split in splits if split is not None]
+    if len(known) < len(splits):
+        return "— | —"
+    return " / ".join(f"{k:.1f}" for k, _ in known) + " µs | " + " / ".join(f"{r:.1f}" for _, r in known) + " µs"
 
 
 def _cells(target: Target, loads: tuple[Load, ...]) -> str:

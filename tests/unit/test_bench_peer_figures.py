@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIGURES = """
 import json
 from dataclasses import asdict
-from bench.peer_figures import CONTINUED, LOADS, Run, Target, added, results
+from bench.peer_figures import CONTINUED, LOADS, Run, Target, added, results, table
 from bench.peer_routers import Missing
 from bench.gateway_streams import LONG, SHORT, split
 
@@ -31,6 +31,12 @@ def continued(name, per_round_ms, *, cpu_s, continued_cpu_s):
     measured = target(name, per_round_ms, cpu_s=cpu_s)
     runs = [Run([ms] * 100, 1, 1, [], continued_cpu_s, 1.0) for ms in per_round_ms]
     measured.runs |= {load.name: list(runs) for load in CONTINUED}
+    return measured
+
+def split_target(name, rounds):  # rounds of (CPU, its kernel part) seconds over 100 chunks; None: no split
+    measured = target(name, [1.0] * len(rounds))
+    runs = [Run([1.0] * 100, 1, 1, [], cpu_s, 1.0, kernel_s=kernel_s) for cpu_s, kernel_s in rounds]
+    measured.runs = {load.name: list(runs) for load in LOADS}
     return measured
 
 def named(figures):
@@ -81,6 +87,10 @@ out = {
             floor=None,
             rounds=2,
         )
+    ),
+    "split_table": table(
+        [target("direct", [1.0, 1.0], cpu_s=None), split_target("ours", [(0.3, 0.2), (0.5, 0.1), (0.4, 0.3)]),
+         split_target("unsplit", [(0.3, None), (0.3, 0.1), (0.3, 0.1)])]
     ),
     "loads": len(LOADS),
     # a stream's start and end, and a chunk, made into the CPU per short and per long stream, and told apart again
@@ -149,3 +159,15 @@ def test_continued_loads_are_set_beside_the_routers_figures_of_the_same_rounds(f
 def test_a_streams_start_and_end_is_told_from_its_chunks_by_a_short_and_a_long_load(figures: dict[str, Any]) -> None:
     for made, told in figures["split"]:
         assert told == pytest.approx(made)
+
+
+def test_the_cpu_per_chunk_is_told_into_the_kernels_part_and_the_rest_each_a_median_of_rounds(
+    figures: dict[str, Any],
+) -> None:
+    rows = figures["split_table"].split("\n")
+    at = next(i for i, row in enumerate(rows) if "in the kernel" in row)
+    split = rows[at + 2 :]
+    # per chunk: kernel 2000, 1000, 3000 µs (median 2000); the rest 1000, 4000, 1000 (median 1000)
+    assert split[0] == "| ours | 2000.0 / 2000.0 µs | 1000.0 / 1000.0 µs |"
+    assert split[1] == "| unsplit | — | — |"
+    assert not any(row.startswith("| direct ") for row in split)
