@@ -13,6 +13,9 @@ from simulate.ray.server import available as ray_available
 from simulate.vllm.server import VllmServer, available, start_servers, thinking_model, tiny_model
 
 SERVERS = 3  # enough to kill one and still continue on another, with a third for tests that need two alive
+TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+SCALE_OUT = "--enable-scale-out"  # /v1/chat/completions/derender: vLLM's own replay of its parsers
+THINKING_ARGS = ("--reasoning-parser", "deepseek_r1", *TOOLS, SCALE_OUT)
 
 
 def built(model: Callable[[], Path]) -> Path:
@@ -35,6 +38,28 @@ def vllm_model() -> Path:
 def thinking_vllm_model() -> Path:
     """The tiny model trained to reason and call tools (``simulate.vllm.thinking_model``), built once."""
     return built(thinking_model)
+
+
+@pytest.fixture(scope="session")
+def thinking_vllm(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """The thinking model on one real vLLM with ``THINKING_ARGS``, for the modules that only ask it questions (none
+    stops it, kills it or needs it fresh): started once, where each such module's own cost a start of some 27 s."""
+    server = serving(thinking_vllm_model, tmp_path_factory.mktemp("thinking"), THINKING_ARGS)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def serving(model: Path, log_dir: Path, args: tuple[str, ...]) -> VllmServer:
+    server = VllmServer(port=free_port(), model=model, log_path=log_dir / "vllm.log", extra_args=args)
+    server.start()
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.kill()
+        raise
+    return server
 
 
 @pytest.fixture(scope="session")

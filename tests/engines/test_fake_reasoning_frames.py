@@ -12,10 +12,9 @@ token-id continuation on ``/v1/completions``, and ``/tokenize`` and ``/detokeniz
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import groupby
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,7 +25,7 @@ from simulate.fakes.sse_client import Streamed, read_stream
 from simulate.vllm.server import MODEL_NAME, VllmServer
 from simulate.vllm.transcripts import Transcript, by_name
 from tests.conftest import running_engine
-from tests.engines.test_reasoning_model import PARSER_ARGS, chat_body, serving
+from tests.engines.test_reasoning_model import chat_body
 
 FAKE = EngineConfig(
     tokens_per_s=2000,
@@ -36,15 +35,6 @@ FAKE = EngineConfig(
     reasoning_tokens=60,
 )
 CHATS = (by_name("replica"), by_name("two_calls"))  # reasons and answers (stop); reasons, answers, calls twice
-
-
-@pytest.fixture(scope="module")
-def real(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    server = serving(thinking_vllm_model, tmp_path_factory.mktemp("fake-frames"), PARSER_ARGS)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -127,8 +117,8 @@ async def post(server: Server, path: str, payload: dict[str, Any]) -> Any:
         return await answer.json()
 
 
-async def test_the_fakes_chat_frames_are_real_vllms_in_shape(real: VllmServer, fake: str) -> None:
-    servers = both(real, fake)
+async def test_the_fakes_chat_frames_are_real_vllms_in_shape(thinking_vllm: VllmServer, fake: str) -> None:
+    servers = both(thinking_vllm, fake)
     usage = {"stream_options": {"include_usage": True}}
     for t in CHATS:
         with_ids = {n: await streamed(u, t, return_token_ids=True, **usage) for n, u in servers.items()}
@@ -151,10 +141,10 @@ async def test_the_fakes_chat_frames_are_real_vllms_in_shape(real: VllmServer, f
             assert "empty" not in {kind(c) for chunk in without[name].chunks for c in chunk.get("choices") or ()}
 
 
-async def test_a_chats_ids_continue_on_completions_in_the_same_shape(real: VllmServer, fake: str) -> None:
+async def test_a_chats_ids_continue_on_completions_in_the_same_shape(thinking_vllm: VllmServer, fake: str) -> None:
     t = CHATS[1]
     out = {}
-    for name, server in both(real, fake).items():
+    for name, server in both(thinking_vllm, fake).items():
         s = await streamed(server, t, return_token_ids=True)
         ids = [i for chunk in s.chunks for c in chunk.get("choices") or () for i in c.get("token_ids") or ()]
         request = {"model": server.model, "prompt": s.chunks[0]["prompt_token_ids"] + ids[:20], "max_tokens": 600}
@@ -171,9 +161,9 @@ async def test_a_chats_ids_continue_on_completions_in_the_same_shape(real: VllmS
     assert [f.finish_reasons for f in out.values()] == [["stop"], ["stop"]]
 
 
-async def test_tokenize_and_detokenize_answer_as_vllms(real: VllmServer, fake: str) -> None:
+async def test_tokenize_and_detokenize_answer_as_vllms(thinking_vllm: VllmServer, fake: str) -> None:
     said = {}
-    for name, server in both(real, fake).items():
+    for name, server in both(thinking_vllm, fake).items():
         think = await post(server, "/tokenize", {"prompt": "<think></think>", "add_special_tokens": False})
         call = await post(server, "/tokenize", {"prompt": "<tool_call>", "add_special_tokens": False})
         text = await post(server, "/detokenize", {"tokens": think["tokens"] + call["tokens"]})
@@ -183,12 +173,12 @@ async def test_tokenize_and_detokenize_answer_as_vllms(real: VllmServer, fake: s
     assert json.dumps(said["fake"][0]) == '["count", "max_model_len", "token_strs", "tokens"]'
 
 
-async def test_a_whole_chat_answers_with_the_parsers_message_as_vllms(real: VllmServer, fake: str) -> None:
+async def test_a_whole_chat_answers_with_the_parsers_message_as_vllms(thinking_vllm: VllmServer, fake: str) -> None:
     """Not streamed: the message's reasoning, content and calls (each with its id and its arguments as a JSON
     string), the finish reason and the usage's reasoning tokens, in the same shape."""
     for t in CHATS:
         answers = {}
-        for name, server in both(real, fake).items():
+        for name, server in both(thinking_vllm, fake).items():
             request = chat_body(t, model=server.model, return_token_ids=True)
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session,

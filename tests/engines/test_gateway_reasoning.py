@@ -33,6 +33,7 @@ from simulate.fakes.sse_client import Streamed
 from simulate.vllm.server import VllmServer, start_servers
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
 from tests.chat_messages import same_chat
+from tests.engines.conftest import TOOLS
 from tests.engines.parsed_streams import (
     best_end,
     broken_at,
@@ -49,7 +50,6 @@ from tests.engines.parsed_streams import (
 from tests.engines.test_gateway_vllm import gather_streams, live, longest_silence, started, until
 from tests.gateway_harness import Running, gateway, metric, readiness
 
-TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 PARSERS = ("deepseek_r1", "qwen3")
 PER_TRANSCRIPT = 14  # cut points per transcript and parser, spread over its tokens, besides those at its markers
 MARKER_TEXT = {"think_end": "</think>", "tool_start": "<tool_call>", "tool_end": "</tool_call>"}

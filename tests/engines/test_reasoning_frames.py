@@ -30,11 +30,11 @@ from simulate.fakes.processes import free_port
 from simulate.fakes.sse_client import Streamed, read_stream
 from simulate.vllm.server import MODEL_NAME, VllmServer
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
+from tests.engines.conftest import SCALE_OUT, TOOLS
 from tests.engines.test_reasoning_model import chat_body
 
-TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-SCALE_OUT = "--enable-scale-out"  # /v1/chat/completions/derender: vLLM's own replay of its parsers, compared with
 PARSERS = ("deepseek_r1", "qwen3")
+SHARED = "deepseek_r1"  # the session's server (THINKING_ARGS)
 MAX_TOKENS = 600
 EOS = "<|im_end|>"
 
@@ -80,21 +80,27 @@ def pieces(raw: Streamed) -> list[Piece]:
 
 
 @pytest.fixture(scope="module")
-def served(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Served]]:
-    model = thinking_vllm_model
+def served(
+    thinking_vllm: VllmServer, thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Served]]:
+    """A real vLLM for each parser: deepseek_r1's the session's (``THINKING_ARGS``), the others started here."""
     log_dir = tmp_path_factory.mktemp("reasoning")
-    servers = {
-        name: VllmServer(free_port(), model, log_dir / f"{name}.log", ("--reasoning-parser", name, *TOOLS, SCALE_OUT))
+    own = {
+        name: VllmServer(
+            free_port(), thinking_vllm_model, log_dir / f"{name}.log", ("--reasoning-parser", name, *TOOLS, SCALE_OUT)
+        )
         for name in PARSERS
+        if name != SHARED
     }
     try:
-        for server in servers.values():
+        for server in own.values():
             server.start()
-        for server in servers.values():
+        for server in own.values():
             server.wait_ready()
-        yield {name: _recorded(name, server) for name, server in servers.items()}
+        servers = {SHARED: thinking_vllm, **own}
+        yield {name: _recorded(name, servers[name]) for name in PARSERS}
     finally:
-        for server in servers.values():
+        for server in own.values():
             server.stop()
 
 

@@ -3,39 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from simulate.fakes.processes import free_port
 from simulate.vllm.server import MODEL_NAME, VllmServer
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
-
-PARSER_ARGS = ("--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-
-
-@pytest.fixture(scope="module")
-def thinking_vllm(thinking_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    model = thinking_vllm_model
-    server = serving(model, tmp_path_factory.mktemp("thinking"), PARSER_ARGS)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def serving(model: Path, log_dir: Path, args: tuple[str, ...]) -> VllmServer:
-    server = VllmServer(port=free_port(), model=model, log_path=log_dir / "vllm.log", extra_args=args)
-    server.start()
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.kill()
-        raise
-    return server
 
 
 def chat_body(t: Transcript, **extra: Any) -> dict[str, Any]:
