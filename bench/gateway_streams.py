@@ -5,7 +5,8 @@
 (bench/sse_source.py, a chunk every 20 ms): 2,000 streams of 2 chunks started evenly over 10 s (about 8 open at a
 time), then 100 streams of 100 chunks started over 20 ms (``gateway-peers``' 100 streams). From the two, CPU per
 chunk of a stream under way, ``(long - short) / 98``, and a stream's start and end, ``short - 2 * chunk``: each a
-median over rounds of the target's CPU per stream. Every stream is checked byte for byte (bench/relay_client.py).
+median over rounds of the target's CPU per stream; the same of its system time tells the kernel's part of each.
+Every stream is checked byte for byte (bench/relay_client.py).
 
 Target (on 2 cores): a stream's start and end at most the better router's.
 """
@@ -18,7 +19,7 @@ import tempfile
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from bench.common import Result, tree_cpu_s
+from bench.common import Result, tree_cpu_split_s
 from bench.gateway_peers import ROUNDS, SPOTDRAIN, client_run, floor, ours, started
 from bench.peer_figures import Load
 from bench.peer_routers import Missing, Peer, argv_for, routers
@@ -29,19 +30,26 @@ SHORT_SPREAD_S = 10.0
 LONG = Load("100 streams of 100 chunks", 100, 100, 0.02, 2)
 
 
-async def _cpu_per_stream(pid: int, url: str, load: Load, *, spread_s: float) -> tuple[float, int]:
-    """µs of the target's CPU per stream of ``load``, and how many of its streams were not exact."""
-    before = tree_cpu_s(pid)
+PerStream = tuple[float, float]  # µs of CPU per stream: all of it, and its system (kernel) part
+
+
+async def _cpu_per_stream(pid: int, url: str, load: Load, *, spread_s: float) -> tuple[PerStream, int]:
+    """µs of the target's CPU per stream of ``load`` (and of it in the kernel), and how many of its streams were not
+    exact."""
+    user, kernel = tree_cpu_split_s(pid)
     _, _, exact, _ = await client_run(url, load, spread_s=spread_s)
-    return (tree_cpu_s(pid) - before) * 1e6 / load.streams, load.streams - exact
+    user_after, kernel_after = tree_cpu_split_s(pid)
+    per_s = 1e6 / load.streams
+    cpu = ((user_after - user + kernel_after - kernel) * per_s, (kernel_after - kernel) * per_s)
+    return cpu, load.streams - exact
 
 
-async def _rounds(workdir: Path, proxies: list[Peer]) -> tuple[dict[str, list[tuple[float, float]]], int]:
+async def _rounds(workdir: Path, proxies: list[Peer]) -> tuple[dict[str, list[tuple[PerStream, PerStream]]], int]:
     """Each proxy's µs per short and per long stream, a pair a round, and how many streams were not exact."""
     port = free_port()
     backend = f"http://127.0.0.1:{port}"
     source = [sys.executable, "-m", "bench.sse_source", "--port", str(port), "--interval", str(LONG.interval_s)]
-    figures: dict[str, list[tuple[float, float]]] = {proxy.name: [] for proxy in proxies}
+    figures: dict[str, list[tuple[PerStream, PerStream]]] = {proxy.name: [] for proxy in proxies}
     wrong = 0
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(started(source, workdir / "backend.log", f"{backend}/health"))
@@ -71,6 +79,13 @@ def split(short_us: float, long_us: float) -> tuple[float, float]:
     return short_us - SHORT.chunks * chunk, chunk
 
 
+def _split(pairs: list[tuple[PerStream, PerStream]], part: int) -> tuple[float, float]:
+    """``split`` of the medians over rounds of the short and the long streams' CPU (``part`` 0: all; 1: the
+    kernel's)."""
+    short = statistics.median(short[part] for short, _ in pairs)
+    return split(short, statistics.median(long[part] for _, long in pairs))
+
+
 async def measure() -> list[Result]:
     found = routers()
     peers = [p for p in found if isinstance(p, Peer)]
@@ -78,11 +93,13 @@ async def measure() -> list[Result]:
     proxies = [ours(), ours(workers=1), floor(), *peers]
     with tempfile.TemporaryDirectory(prefix="spotdrain-bench-streams-") as name:
         figures, wrong = await _rounds(Path(name), proxies)
-    medians = {
-        proxy: split(statistics.median(s for s, _ in pairs), statistics.median(lo for _, lo in pairs))
-        for proxy, pairs in figures.items()
-    }
-    lines = [f"{proxy}: a stream's start and end {s:.0f} µs, a chunk {c:.1f} µs" for proxy, (s, c) in medians.items()]
+    medians = {proxy: _split(pairs, 0) for proxy, pairs in figures.items()}
+    kernel = {proxy: _split(pairs, 1) for proxy, pairs in figures.items()}
+    lines = [
+        f"{proxy}: a stream's start and end {s:.0f} µs ({kernel[proxy][0]:.0f} in the kernel), a chunk {c:.1f} µs "
+        f"({kernel[proxy][1]:.1f} in the kernel)"
+        for proxy, (s, c) in medians.items()
+    ]
     print("\n".join(lines), file=sys.stderr)
     detail = f"{'; '.join(lines)}; {ROUNDS} rounds"
     results = [Result("gateway_streams_not_exact", wrong, "streams", 0, wrong == 0, detail)]

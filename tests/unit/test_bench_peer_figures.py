@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict
 from bench.peer_figures import CONTINUED, LOADS, Run, Target, added, results, table
 from bench.peer_routers import Missing
-from bench.gateway_streams import LONG, SHORT, split
+from bench.gateway_streams import LONG, SHORT, _split, split
 
 def target(name, per_round_ms, *, cpu_s=0.1, exact=True):
     runs = [Run([ms] * 100, 1, int(exact), [] if exact else ["event 3"], cpu_s, 1.0) for ms in per_round_ms]
@@ -98,6 +98,16 @@ out = {
         [made, list(split(made[0] + SHORT.chunks * made[1], made[0] + LONG.chunks * made[1]))]
         for made in ([946.0, 34.5], [0.0, 22.0], [666.0, 0.0])
     ],
+    # rounds of ((short stream, its kernel part), (long stream, its kernel part)): start and end 946 µs, 300 of it in
+    # the kernel; a chunk 34.5 µs, 16 of it; one round off by far, which the medians leave out
+    "split_parts": [
+        list(_split(rounds, part))
+        for rounds in [
+            [((946 + 2 * 34.5, 300 + 2 * 16), (946 + 100 * 34.5, 300 + 100 * 16))] * 2
+            + [((5000.0, 4000.0), (9000.0, 8000.0))]
+        ]
+        for part in (0, 1)
+    ],
 }
 print(json.dumps(out))
 """
@@ -159,6 +169,9 @@ def test_continued_loads_are_set_beside_the_routers_figures_of_the_same_rounds(f
 def test_a_streams_start_and_end_is_told_from_its_chunks_by_a_short_and_a_long_load(figures: dict[str, Any]) -> None:
     for made, told in figures["split"]:
         assert told == pytest.approx(made)
+    whole, kernel = figures["split_parts"]
+    assert whole == pytest.approx([946.0, 34.5])
+    assert kernel == pytest.approx([300.0, 16.0])
 
 
 def test_the_cpu_per_chunk_is_told_into_the_kernels_part_and_the_rest_each_a_median_of_rounds(
