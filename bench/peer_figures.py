@@ -99,16 +99,14 @@ def cpu_per_chunk_us(target: Target, load: str) -> float | None:
     return None if None in values else _median([v for v in values if v is not None])
 
 
-def kernel_per_chunk_us(target: Target, load: str) -> tuple[float, float] | None:
+def split_per_chunk_us(target: Target, load: str) -> tuple[float, float] | None:
     """The medians over rounds of the kernel's part of ``target``'s CPU per chunk and of the rest (the target's own
     code); None where a round has no split."""
-    runs = target.runs[load]
-    pairs = [(run.kernel_per_chunk_us, run.cpu_per_chunk_us) for run in runs]
-    if any(kernel is None or whole is None for kernel, whole in pairs):
+    pairs = [(run.kernel_per_chunk_us, run.cpu_per_chunk_us) for run in target.runs[load]]
+    known = [(kernel, whole) for kernel, whole in pairs if kernel is not None and whole is not None]
+    if len(known) < len(pairs):
         return None
-    kernels = [kernel for kernel, _ in pairs if kernel is not None]
-    rests = [whole - kernel for kernel, whole in pairs if kernel is not None and whole is not None]
-    return _median(kernels), _median(rests)
+    return _median([kernel for kernel, _ in known]), _median([whole - kernel for kernel, whole in known])
 
 
 def rounds_detail(direct: Target, rounds: int) -> str:
@@ -144,7 +142,7 @@ def table(targets: list[Target]) -> str:
 
 def _split_cells(target: Target) -> str:
     """The kernel's part and the rest of the CPU per chunk, at each load with streams in the hundreds."""
-    splits = [kernel_per_chunk_us(target, load.name) for load in LOADS[1:]]
+    splits = [split_per_chunk_us(target, load.name) for load in LOADS[1:]]
     known = [split for split in splits if split is not None]
     if len(known) < len(splits):
         return "— | —"
