@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -14,53 +14,36 @@ from gateway.metrics import GatewayMetrics
 from simulate.fakes.processes import free_port
 from spotdrain.metrics import CollectorRegistry
 from tests.conftest import until
+from tests.integration.test_http1 import server
 
-Answering = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 TIMEOUT_S = 0.3
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
-def pool_of(url: str, *, ready: bool) -> tuple[Pool, Backend]:
-    pool = Pool([url], GatewayMetrics.create(CollectorRegistry()))
+def pool_of(port: int, *, ready: bool) -> tuple[Pool, Backend]:
+    pool = Pool([f"http://127.0.0.1:{port}"], GatewayMetrics.create(CollectorRegistry()))
     backend = pool.backends[0]
     backend.ready = ready
     return pool, backend
 
 
-@contextlib.asynccontextmanager
-async def ready_url(answering: Answering, *, port: int = 0) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A server on 127.0.0.1 answering each connection with ``answering``; the request heads it read."""
-    heads: list[bytes] = []
+def answering(*pieces: bytes, heads: list[bytes] | None = None) -> Callable[[bytes], list[bytes]]:
+    """``server``'s answer: ``pieces`` to every request (an empty one: a pause of 5 s), each request kept in
+    ``heads``."""
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            heads.append(await reader.readuntil(b"\r\n\r\n"))
-            await answering(reader, writer)
-        writer.close()
+    def answer(request: bytes) -> list[bytes]:
+        if heads is not None:
+            heads.append(request)
+        return list(pieces)
 
-    server = await asyncio.start_server(serve, "127.0.0.1", port or free_port())
-    async with server:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", heads
-
-
-def answer(raw: bytes) -> Answering:
-    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(raw)
-        await writer.drain()
-
-    return answering
-
-
-async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    await asyncio.sleep(30)
-
-
-OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    return answer
 
 
 async def test_a_200_makes_a_backend_ready_and_the_request_asks_for_its_path_and_query_and_closes() -> None:
-    async with ready_url(answer(OK)) as (url, heads):
-        pool, backend = pool_of(url, ready=False)
-        backend.ready_url = f"{url}/ready?deep=1"
+    heads: list[bytes] = []
+    async with server(answering(OK, heads=heads)) as port:
+        pool, backend = pool_of(port, ready=False)
+        backend.ready_url = f"{backend.url}/ready?deep=1"
         await check_ready(pool, backend, timeout_s=TIMEOUT_S)
     assert backend.ready
     line, *fields = heads[0].decode().split("\r\n")
@@ -70,28 +53,29 @@ async def test_a_200_makes_a_backend_ready_and_the_request_asks_for_its_path_and
 
 
 @pytest.mark.parametrize(
-    "raw",
+    "pieces",
     [
-        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n",  # the sidecar at a drain's start
-        b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n",
-        b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n",
-        b"HTTP/1.1 301 Moved Permanently\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n",
-        b"SSH-2.0-OpenSSH_9.2\r\n\r\n",  # not HTTP
-        b"HTTP/1.1 200 OK\r\nContent-",  # cut inside the head
-        b"",  # closed without a byte
+        [b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"],  # the sidecar at a drain's start
+        [b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"],
+        [b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n"],
+        [b"HTTP/1.1 301 Moved Permanently\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"],
+        [b"SSH-2.0-OpenSSH_9.2\r\n\r\n"],  # not HTTP
+        [b"HTTP/1.1 200 OK\r\nContent-"],  # cut inside the head
+        [],  # closed without a byte
     ],
     ids=["503", "500", "429", "redirect", "not-http", "cut-head", "closed"],
 )
-async def test_anything_but_a_whole_200_head_makes_a_ready_backend_unready(raw: bytes) -> None:
-    async with ready_url(answer(raw)) as (url, _):
-        pool, backend = pool_of(url, ready=True)
+async def test_anything_but_a_whole_200_head_makes_a_ready_backend_unready(pieces: list[bytes]) -> None:
+    async with server(answering(*pieces)) as port:
+        pool, backend = pool_of(port, ready=True)
         await check_ready(pool, backend, timeout_s=TIMEOUT_S)
     assert not backend.ready
 
 
 async def test_a_ready_url_that_hangs_is_unready_within_the_timeout() -> None:
-    async with ready_url(hang) as (url, heads):
-        pool, backend = pool_of(url, ready=True)
+    heads: list[bytes] = []
+    async with server(answering(b"", heads=heads)) as port:
+        pool, backend = pool_of(port, ready=True)
         started = time.monotonic()
         await check_ready(pool, backend, timeout_s=TIMEOUT_S)
         took = time.monotonic() - started
@@ -102,11 +86,11 @@ async def test_a_ready_url_that_hangs_is_unready_within_the_timeout() -> None:
 
 async def test_a_backend_whose_port_refuses_turns_unready_and_ready_again_once_it_listens_again() -> None:
     port = free_port()
-    pool, backend = pool_of(f"http://127.0.0.1:{port}", ready=True)
+    pool, backend = pool_of(port, ready=True)
     checking = asyncio.create_task(health_checker(pool, interval_s=0.05, timeout_s=TIMEOUT_S))
     try:
         await until(lambda: not backend.ready, timeout_s=5)
-        async with ready_url(answer(OK), port=port):
+        async with server(answering(OK), port=port):
             await until(lambda: backend.ready, timeout_s=5)
         await until(lambda: not backend.ready, timeout_s=5)
     finally:
@@ -116,8 +100,9 @@ async def test_a_backend_whose_port_refuses_turns_unready_and_ready_again_once_i
 
 
 async def test_a_break_asks_for_a_check_at_once_and_a_backend_that_turned_ready_is_found_within_the_pause() -> None:
-    async with ready_url(answer(OK)) as (url, heads):
-        pool, backend = pool_of(url, ready=False)
+    heads: list[bytes] = []
+    async with server(answering(OK, heads=heads)) as port:
+        pool, backend = pool_of(port, ready=False)
         checking = asyncio.create_task(health_checker(pool, interval_s=60, timeout_s=TIMEOUT_S))
         try:
             await until(lambda: len(heads) == 1, timeout_s=5)  # the first round; the next is a minute away

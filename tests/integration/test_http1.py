@@ -209,9 +209,9 @@ async def test_bytes_that_are_not_an_http_answer_are_a_bad_answer(wire: bytes, r
 
 
 @asynccontextmanager
-async def server(answer: Callable[[bytes], list[bytes]]) -> AsyncIterator[int]:
-    """A raw server on 127.0.0.1: reads a request's head and body, writes ``answer(request)`` (an empty piece: a
-    pause of 5 s), closes."""
+async def server(answer: Callable[[bytes], list[bytes]], *, port: int | None = None) -> AsyncIterator[int]:
+    """A raw server on 127.0.0.1 (on ``port`` where given): reads a request's head and body, writes
+    ``answer(request)`` (an empty piece: a pause of 5 s), closes."""
     got: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -228,7 +228,7 @@ async def server(answer: Callable[[bytes], list[bytes]]) -> AsyncIterator[int]:
             await asyncio.sleep(0.01)
         writer.close()
 
-    port = free_port()
+    port = port or free_port()
     listening = await asyncio.start_server(handle, "127.0.0.1", port)
     try:
         yield port
