@@ -106,6 +106,13 @@ def tree_cpu_split_s(pid: int) -> tuple[float, float]:
     return user, system
 
 
+def tree_cpu_used_s(pid: int, before: tuple[float, float]) -> tuple[float, float]:
+    """The CPU seconds ``pid``'s tree has used since ``tree_cpu_split_s`` gave ``before``: all of it, and the
+    kernel's part."""
+    user, system = tree_cpu_split_s(pid)
+    return user - before[0] + system - before[1], system - before[1]
+
+
 def tree_rss_mb(pid: int) -> tuple[float, float]:
     """Resident memory of the whole tree, and of its largest process."""
     sizes = []

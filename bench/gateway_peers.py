@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
-from bench.common import Result, tree_cpu_split_s, tree_rss_mb
+from bench.common import Result, tree_cpu_split_s, tree_cpu_used_s, tree_rss_mb
 from bench.peer_figures import CONTINUED, DIRECT, LOADS, Load, Run, Target, merged, results, table
 from bench.peer_routers import LITELLM_SKIPPED, Missing, Peer, argv_for, routers
 from gateway.cpus import default_workers
@@ -124,8 +124,8 @@ async def measured(target: Target, load: Load) -> Run:
             sampling.cancel()
     if not target.pid:
         return Run(latencies, streams, exact, faults, None, load_average)
-    user, kernel = (after - at for after, at in zip(tree_cpu_split_s(target.pid), before, strict=True))
-    return Run(latencies, streams, exact, faults, user + kernel, load_average, kernel_s=kernel)
+    used, kernel = tree_cpu_used_s(target.pid, before)
+    return Run(latencies, streams, exact, faults, used, load_average, kernel_s=kernel)
 
 
 async def _peak(target: Target) -> None:

@@ -19,7 +19,7 @@ import tempfile
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from bench.common import Result, tree_cpu_split_s
+from bench.common import Result, tree_cpu_split_s, tree_cpu_used_s
 from bench.gateway_peers import ROUNDS, SPOTDRAIN, client_run, floor, ours, started
 from bench.peer_figures import Load
 from bench.peer_routers import Missing, Peer, argv_for, routers
@@ -36,12 +36,10 @@ PerStream = tuple[float, float]  # µs of CPU per stream: all of it, and its sys
 async def _cpu_per_stream(pid: int, url: str, load: Load, *, spread_s: float) -> tuple[PerStream, int]:
     """µs of the target's CPU per stream of ``load`` (and of it in the kernel), and how many of its streams were not
     exact."""
-    user, kernel = tree_cpu_split_s(pid)
+    before = tree_cpu_split_s(pid)
     _, _, exact, _ = await client_run(url, load, spread_s=spread_s)
-    user_after, kernel_after = tree_cpu_split_s(pid)
-    per_s = 1e6 / load.streams
-    cpu = ((user_after - user + kernel_after - kernel) * per_s, (kernel_after - kernel) * per_s)
-    return cpu, load.streams - exact
+    used, kernel = tree_cpu_used_s(pid, before)
+    return (used * 1e6 / load.streams, kernel * 1e6 / load.streams), load.streams - exact
 
 
 async def _rounds(workdir: Path, proxies: list[Peer]) -> tuple[dict[str, list[tuple[PerStream, PerStream]]], int]:
