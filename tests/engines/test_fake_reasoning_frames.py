@@ -35,6 +35,7 @@ FAKE = EngineConfig(
     reasoning_tokens=60,
 )
 CHATS = (by_name("replica"), by_name("two_calls"))  # reasons and answers (stop); reasons, answers, calls twice
+ATTEMPTS = 6  # a real stream with steps merged where the comparison reads it comes in about one of five
 
 
 @pytest.fixture
@@ -57,6 +58,33 @@ async def streamed(server: Server, t: Transcript, **extra: Any) -> Streamed:
     request = chat_body(t, model=server.model, stream=True, **extra)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         return await read_stream(server.url + "/v1/chat/completions", request, session=session)
+
+
+async def steps_apart(server: Server, t: Transcript, think_end: int, **extra: Any) -> Streamed:
+    """``t`` streamed from real vLLM, again (up to ``ATTEMPTS`` in all) while it merged steps where the comparison
+    reads the stream. When its API server falls behind the engine, vLLM sends the steps not yet sent as one chunk
+    (RequestOutputCollector in vllm/v1/engine/output_processor.py): on 2 cores, most of these chats' streams have a
+    chunk or a few of two tokens. Inside a phase (reasoning, content, a call's arguments) that changes no chunk's keys;
+    at a phase's first or last chunk, or at ``</think>``, it changes what is compared. Greedy decoding makes the same
+    tokens again."""
+    for _ in range(ATTEMPTS):
+        s = await streamed(server, t, **extra)
+        if not merged_where_read(s, think_end):
+            break
+    return s
+
+
+def merged_where_read(s: Streamed, think_end: int) -> bool:
+    choices = [c for chunk in s.chunks for c in chunk.get("choices") or ()]
+    kinds = [kind(c) for c in choices]
+    for at, choice in enumerate(choices):
+        ids = choice.get("token_ids") or ()
+        edge = any(k != kinds[at] for k in kinds[max(0, at - 1) : at + 2])
+        if len(ids) > 1 and (think_end in ids or edge):
+            return True
+        if sum(bool(choice["delta"].get(k)) for k in ("reasoning", "content", "tool_calls")) > 1:
+            return True  # two phases' text in one delta: the sign of such a merge where the chunks carry no ids
+    return False
 
 
 def kind(choice: dict[str, Any]) -> str:
@@ -120,9 +148,17 @@ async def post(server: Server, path: str, payload: dict[str, Any]) -> Any:
 async def test_the_fakes_chat_frames_are_real_vllms_in_shape(thinking_vllm: VllmServer, fake: str) -> None:
     servers = both(thinking_vllm, fake)
     usage = {"stream_options": {"include_usage": True}}
+    ends = {}
+    for name, server in servers.items():
+        said = await post(server, "/tokenize", {"prompt": "</think>", "add_special_tokens": False})
+        (ends[name],) = said["tokens"]
+    real = servers["real"]
     for t in CHATS:
-        with_ids = {n: await streamed(u, t, return_token_ids=True, **usage) for n, u in servers.items()}
-        without = {n: await streamed(u, t) for n, u in servers.items()}
+        with_ids = {
+            "real": await steps_apart(real, t, ends["real"], return_token_ids=True, **usage),
+            "fake": await streamed(servers["fake"], t, return_token_ids=True, **usage),
+        }
+        without = {"real": await steps_apart(real, t, ends["real"]), "fake": await streamed(servers["fake"], t)}
         assert shapes(with_ids["fake"]) == shapes(with_ids["real"]), t.name
         assert shapes(without["fake"]) == shapes(without["real"]), t.name
         assert phases(with_ids["fake"]) == phases(with_ids["real"]), t.name
@@ -132,10 +168,8 @@ async def test_the_fakes_chat_frames_are_real_vllms_in_shape(thinking_vllm: Vllm
         assert set(shapes(with_ids["real"])) == every, t.name  # each kind of chunk compared
         assert [s.finish_reasons for s in with_ids.values()] == [["tool_calls" if t.calls else "stop"]] * 2
         for name, s in with_ids.items():
-            said = await post(servers[name], "/tokenize", {"prompt": "</think>", "add_special_tokens": False})
-            (end,) = said["tokens"]
-            assert think_end_deltas(s, end) == [{}], name  # alone in its chunk, no delta: sent for its id
-            assert think_end_deltas(without[name], end) == [], name
+            assert think_end_deltas(s, ends[name]) == [{}], name  # alone in its chunk, no delta: sent for its id
+            assert think_end_deltas(without[name], ends[name]) == [], name
             details = s.usage[-1]["completion_tokens_details"]
             assert details == {"reasoning_tokens": 0}, name  # deepseek_r1: the <think> was the prompt's
             assert "empty" not in {kind(c) for chunk in without[name].chunks for c in chunk.get("choices") or ()}
