@@ -22,6 +22,11 @@ class Streamed:
     body: bytes = b""  # the answer when it was not a stream
 
     @property
+    def ended(self) -> bool:
+        """Nothing more will come: its ``[DONE]``, its connection's end, or an answer that is not a stream."""
+        return bool(self.done) or self.cut or self.status not in (0, 200)
+
+    @property
     def text(self) -> str:
         """The generated text: completions' ``text`` or chat deltas' ``content``, concatenated."""
         parts = []

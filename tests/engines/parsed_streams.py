@@ -134,7 +134,7 @@ def tokens(streamed: Streamed) -> int:
 async def reached(lead: Streamed, count: int) -> None:
     """Until the lead stream has ``count`` tokens (or has ended)."""
     async with asyncio.timeout(120):
-        while tokens(lead) < count and not lead.done:
+        while tokens(lead) < count and not lead.ended:
             await asyncio.sleep(0.01)
 
 

@@ -226,6 +226,11 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
                 async with AsyncExitStack() as stack:
                     streams = await in_waves(gw, waves, f"{parser}-{ending}-{attempt}", stack)
                     await started(streams, tokens=1)
+                    if (refused := sum(s.status != 200 for s in streams)) and attempt < ATTEMPTS:
+                        # A failed ready check on a loaded machine (seen once: the server out of rotation for 3 s)
+                        # refuses the streams that start meanwhile: they tell nothing of continuing.
+                        print(f"{parser} {ending}: attempt {attempt} had {refused} streams refused at their start")
+                        continue
                     if ending == "sigkill":
                         ready[1] = True  # the spare takes requests before the server goes
                         await until(gw, READY, 2)

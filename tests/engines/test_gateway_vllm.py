@@ -206,7 +206,7 @@ def live(pool: list[VllmServer], count: int) -> list[VllmServer]:
 async def started(streams: list[Streamed], *, tokens: int) -> None:
     """Until every stream has at least ``tokens`` token chunks (or has ended)."""
     async with asyncio.timeout(120):
-        while any(len(token_chunks(s)) < tokens and not s.done for s in streams):
+        while any(len(token_chunks(s)) < tokens and not s.ended for s in streams):
             await asyncio.sleep(0.05)
 
 
