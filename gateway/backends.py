@@ -212,12 +212,15 @@ class Pool:
             log.warning("backend.unready", backend=backend.url, cause=cause)
             self._publish()
 
-    def set_ready(self, backend: Backend, ready: bool) -> None:
+    def set_ready(self, backend: Backend, ready: bool, *, detail: str = "") -> None:
+        """What a health check found; ``detail``: why it was not ready (logged where the backend leaves rotation)."""
         if backend.ready != ready:
             backend.ready = ready
-            if not ready:
+            if ready:
+                log.info("backend.ready", backend=backend.url, cause="health")
+            else:
                 backend.kept.close()
-            log.info("backend.ready" if ready else "backend.unready", backend=backend.url, cause="health")
+                log.info("backend.unready", backend=backend.url, cause="health", detail=detail)
             self._publish()
             if ready:
                 self._became_ready()
@@ -265,13 +268,15 @@ async def check_ready(pool: Pool, backend: Backend, *, timeout_s: float) -> None
         async with asyncio.timeout(timeout_s):
             answer = await http1.connect(backend.ready_url, connect_s=timeout_s)
             await answer.send(f"?{query}" if query else "", b"", {}, method="GET")
-        ready = answer.status == 200
-    except (OSError, TimeoutError, http1.BadAnswer, ValueError):
-        ready = False  # ValueError: a URL whose port is not one
+        detail = "" if answer.status == 200 else f"HTTP {answer.status}"
+    except TimeoutError:
+        detail = f"no answer within {timeout_s} s"
+    except (OSError, http1.BadAnswer, ValueError) as error:  # ValueError: a URL whose port is not one
+        detail = str(error) or type(error).__name__
     finally:
         if answer is not None:
             answer.close()
-    pool.set_ready(backend, ready)
+    pool.set_ready(backend, not detail, detail=detail)
 
 
 async def context_length(

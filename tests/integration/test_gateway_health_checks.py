@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from structlog.testing import capture_logs
 
 from gateway.backends import Backend, Pool, check_ready, health_checker
 from gateway.metrics import GatewayMetrics
@@ -53,23 +54,28 @@ async def test_a_200_makes_a_backend_ready_and_the_request_asks_for_its_path_and
 
 
 @pytest.mark.parametrize(
-    "pieces",
+    ("pieces", "detail"),
     [
-        [b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"],  # the sidecar at a drain's start
-        [b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"],
-        [b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n"],
-        [b"HTTP/1.1 301 Moved Permanently\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"],
-        [b"SSH-2.0-OpenSSH_9.2\r\n\r\n"],  # not HTTP
-        [b"HTTP/1.1 200 OK\r\nContent-"],  # cut inside the head
-        [],  # closed without a byte
+        ([b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"], "HTTP 503"),  # the sidecar draining
+        ([b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"], "HTTP 500"),
+        ([b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n"], "HTTP 429"),
+        ([b"HTTP/1.1 301 Moved Permanently\r\nLocation: /elsewhere\r\nContent-Length: 0\r\n\r\n"], "HTTP 301"),
+        ([b"SSH-2.0-OpenSSH_9.2\r\n\r\n"], "not an HTTP/1.1 status line"),  # not HTTP
+        ([b"HTTP/1.1 200 OK\r\nContent-"], "closed before the answer's head"),  # cut inside the head
+        ([], "closed before a byte of the answer"),
     ],
     ids=["503", "500", "429", "redirect", "not-http", "cut-head", "closed"],
 )
-async def test_anything_but_a_whole_200_head_makes_a_ready_backend_unready(pieces: list[bytes]) -> None:
+async def test_anything_but_a_whole_200_head_makes_a_ready_backend_unready_and_says_why(
+    pieces: list[bytes], detail: str
+) -> None:
     async with server(answering(*pieces)) as port:
         pool, backend = pool_of(port, ready=True)
-        await check_ready(pool, backend, timeout_s=TIMEOUT_S)
+        with capture_logs() as logs:
+            await check_ready(pool, backend, timeout_s=TIMEOUT_S)
     assert not backend.ready
+    (unready,) = [e for e in logs if e["event"] == "backend.unready"]
+    assert detail in unready["detail"], unready
 
 
 async def test_a_ready_url_that_hangs_is_unready_within_the_timeout() -> None:
@@ -77,10 +83,12 @@ async def test_a_ready_url_that_hangs_is_unready_within_the_timeout() -> None:
     async with server(answering(b"", heads=heads)) as port:
         pool, backend = pool_of(port, ready=True)
         started = time.monotonic()
-        await check_ready(pool, backend, timeout_s=TIMEOUT_S)
+        with capture_logs() as logs:
+            await check_ready(pool, backend, timeout_s=TIMEOUT_S)
         took = time.monotonic() - started
     assert heads, "the request reached the server"
     assert not backend.ready
+    assert [e["detail"] for e in logs if e["event"] == "backend.unready"] == [f"no answer within {TIMEOUT_S} s"]
     assert TIMEOUT_S <= took < TIMEOUT_S + 0.5
 
 
