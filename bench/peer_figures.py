@@ -62,11 +62,14 @@ class Run:
 
     @property
     def cpu_per_chunk_us(self) -> float | None:
-        return None if self.cpu_s is None else self.cpu_s / max(1, len(self.latencies_ms)) * 1e6
+        return self._per_chunk_us(self.cpu_s)
 
     @property
     def kernel_per_chunk_us(self) -> float | None:
-        return None if self.kernel_s is None else self.kernel_s / max(1, len(self.latencies_ms)) * 1e6
+        return self._per_chunk_us(self.kernel_s)
+
+    def _per_chunk_us(self, seconds: float | None) -> float | None:
+        return None if seconds is None else seconds / max(1, len(self.latencies_ms)) * 1e6
 
 
 @dataclass
