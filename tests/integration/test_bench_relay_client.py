@@ -52,8 +52,14 @@ def proxy_app(mangle: Mangle) -> web.Application:
     return application
 
 
-async def tally_of(port: int) -> dict[str, Any]:
-    spec = {"url": f"http://127.0.0.1:{port}/v1/completions", "count": 1, "body": {"max_tokens": TOKENS}, "spread_s": 0}
+async def tally_of(port: int, **options: float) -> dict[str, Any]:
+    spec = {
+        "url": f"http://127.0.0.1:{port}/v1/completions",
+        "count": 1,
+        "body": {"max_tokens": TOKENS},
+        "spread_s": 0,
+        **options,
+    }
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.relay_client", json.dumps(spec), cwd=ROOT, stdout=asyncio.subprocess.PIPE
     )
@@ -107,3 +113,63 @@ async def test_a_stream_a_proxy_changed_is_not_exact(mangle: Mangle) -> None:
     async with serving_app(proxy_app(mangle)) as port:
         tally = await tally_of(port)
     assert (tally["streams"], tally["exact"], len(tally["faults"])) == (1, 0, 1)
+
+
+async def test_an_answer_that_is_not_a_stream_is_a_fault() -> None:
+    async def refused(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="no backend")
+
+    application = web.Application()
+    application.router.add_post("/v1/completions", refused)
+    async with serving_app(application) as port:
+        tally = await tally_of(port)
+    assert (tally["streams"], tally["exact"]) == (1, 0)
+    assert tally["faults"][0].startswith("HTTP/1.1 503")
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["cut", "hung"])
+async def test_a_stream_that_stops_mid_way_is_a_fault(hang: bool) -> None:
+    """The connection closed after two events, or left open and silent (the read timeout, 1 s here, ends it)."""
+    events = engine_events()
+
+    async def stops(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events[:2]:
+            await response.write(event)
+        if hang:
+            await asyncio.sleep(30)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    application = web.Application()
+    application.router.add_post("/v1/completions", stops)
+    async with serving_app(application) as port:
+        tally = await asyncio.wait_for(tally_of(port, read_timeout_s=1), 20)
+    assert (tally["streams"], tally["exact"], len(tally["latencies_ms"])) == (1, 0, 2)
+    assert tally["faults"][0].startswith("no byte for 1 s" if hang else "connection ended")
+
+
+@pytest.mark.parametrize("exact", [True, False])
+async def test_an_answer_that_ends_with_its_connection_is_read_to_its_end(exact: bool) -> None:
+    """No chunked framing: the events until the server closes (HTTP/1.0's way), the last without its blank line."""
+    events = engine_events()
+    if not exact:
+        events = events[:-2] + events[-1:]
+    body = b"".join(events)[:-1]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        for at in range(0, len(body), 7):  # reads cut anywhere
+            writer.write(body[at : at + 7])
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        tally = await tally_of(server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+    assert (tally["streams"], tally["exact"]) == (1, int(exact))
