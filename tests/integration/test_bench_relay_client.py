@@ -10,7 +10,7 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,12 @@ def proxy_app(mangle: Mangle) -> web.Application:
             await response.write(event)
         return response
 
+    return answering(completions)
+
+
+def answering(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.Application:
     application = web.Application()
-    application.router.add_post("/v1/completions", completions)
+    application.router.add_post("/v1/completions", handler)
     return application
 
 
@@ -119,9 +123,7 @@ async def test_an_answer_that_is_not_a_stream_is_a_fault() -> None:
     async def refused(request: web.Request) -> web.Response:
         return web.Response(status=503, text="no backend")
 
-    application = web.Application()
-    application.router.add_post("/v1/completions", refused)
-    async with serving_app(application) as port:
+    async with serving_app(answering(refused)) as port:
         tally = await tally_of(port)
     assert (tally["streams"], tally["exact"]) == (1, 0)
     assert tally["faults"][0].startswith("HTTP/1.1 503")
@@ -143,9 +145,7 @@ async def test_a_stream_that_stops_mid_way_is_a_fault(hang: bool) -> None:
         request.transport.close()
         return response
 
-    application = web.Application()
-    application.router.add_post("/v1/completions", stops)
-    async with serving_app(application) as port:
+    async with serving_app(answering(stops)) as port:
         tally = await asyncio.wait_for(tally_of(port, read_timeout_s=1), 20)
     assert (tally["streams"], tally["exact"], len(tally["latencies_ms"])) == (1, 0, 2)
     assert tally["faults"][0].startswith("no byte for 1 s" if hang else "connection ended")
