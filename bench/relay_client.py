@@ -12,8 +12,8 @@ where it continued a stream with one; an SSE client skips them, as this one does
 The client must cost the machine little: at 500 streams it shares two cores with the backend and the proxy, and what
 it spends is CPU the proxy waits for, so its latencies would be the machine's queue more than the proxy's. So each
 stream is a protocol on the gateway's loop (uvloop where installed), its answer read in the read's own callback with
-no coroutine per event: the head, the chunked framing (RFC 9112 section 7.1) or an answer that ends with its
-connection, and the events' lines compared as bytes.
+no coroutine per event: the head, the chunked framing (RFC 9112 section 7.1), a body of a stated length or one that
+ends with its connection, and the events' lines compared as bytes.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class _Stream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.head: bytes | None = None  # the answer's head, once read
         self.chunked = False
+        self.left: int | None = None  # of a body with a Content-Length, the bytes still to come
         self.raw = b""  # bytes not yet unframed
         self.text = b""  # unframed bytes not yet a whole line
         self.index = self.dones = 0
@@ -87,9 +88,17 @@ class _Stream(asyncio.Protocol):
             return
         if self.chunked:
             self._unframe(now_ns)
-        else:
-            self._lines(self.raw, now_ns)
-            self.raw = b""
+            return
+        body, self.raw = self.raw, b""
+        if self.left is not None:
+            body = body[: self.left]
+            self.left -= len(body)
+        self._lines(body, now_ns)
+        if self.left == 0:  # a body of a stated length, whole: what a stream never is, but it has ended
+            self._lines(b"\n", now_ns)
+            self._end(self._verdict())
+            if self.transport is not None:
+                self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.head is None or self.chunked:  # a chunked answer ends with its last chunk, not its connection
@@ -112,8 +121,11 @@ class _Stream(asyncio.Protocol):
         if status_line.split(b" ")[1:2] != [b"200"]:
             self.abort(f"{status_line.decode('latin-1')}: {self.raw[:120]!r}")
             return False
-        codings = [f.partition(b":")[2].strip().lower() for f in fields if f.lower().startswith(b"transfer-encoding:")]
-        self.chunked = codings == [b"chunked"]
+        values = {name.strip().lower(): value.strip() for name, _, value in (f.partition(b":") for f in fields)}
+        self.chunked = values.get(b"transfer-encoding", b"").lower() == b"chunked"
+        length = values.get(b"content-length", b"")
+        if not self.chunked and length.isdigit():
+            self.left = int(length)
         return True
 
     def _unframe(self, now_ns: int) -> None:

@@ -119,14 +119,17 @@ async def test_a_stream_a_proxy_changed_is_not_exact(mangle: Mangle) -> None:
     assert (tally["streams"], tally["exact"], len(tally["faults"])) == (1, 0, 1)
 
 
-async def test_an_answer_that_is_not_a_stream_is_a_fault() -> None:
-    async def refused(request: web.Request) -> web.Response:
-        return web.Response(status=503, text="no backend")
+@pytest.mark.parametrize("status", [503, 200])
+async def test_an_answer_that_is_not_a_stream_is_a_fault(status: int) -> None:
+    """A refusal, or a whole body of a stated length (the client does not wait for the connection's end)."""
 
-    async with serving_app(answering(refused)) as port:
-        tally = await tally_of(port)
+    async def whole(request: web.Request) -> web.Response:
+        return web.Response(status=status, text="no backend" if status != 200 else '{"choices": []}')
+
+    async with serving_app(answering(whole)) as port:
+        tally = await asyncio.wait_for(tally_of(port), 20)
     assert (tally["streams"], tally["exact"]) == (1, 0)
-    assert tally["faults"][0].startswith("HTTP/1.1 503")
+    assert tally["faults"][0].startswith("HTTP/1.1 503" if status != 200 else 'event 0: b\'{"choices"')
 
 
 @pytest.mark.parametrize("hang", [False, True], ids=["cut", "hung"])
