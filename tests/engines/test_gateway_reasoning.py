@@ -267,5 +267,8 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
     assert cut_count == 0
     assert token_ids(streams[0]) == token_ids(want[waves[0].transcript.name])  # the lead asked for its ids
     assert all(ok for _, ok in results)
-    assert all(paths[path] >= 20 for path in ("reasoning", "both", "tool_call")), paths
+    # SIGKILL ends the streams where the test chose; SIGTERM, where vLLM's shutdown reaches them, a little later on a
+    # loaded machine: once, 11 streams were inside a call where the measured lags said 31 (every one continued exactly).
+    least = 20 if ending == "sigkill" else 10
+    assert all(paths[path] >= least for path in ("reasoning", "both", "tool_call")), paths
     assert exited is not None
