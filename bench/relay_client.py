@@ -9,11 +9,12 @@ where it continued a stream with one; an SSE client skips them, as this one does
 ``latencies_ms`` (from the time written in each event to the read that brought it here), ``streams``, ``exact``
 (streams that were) and ``faults`` (the first few that were not, said how).
 
-The client must cost the machine little: at 500 streams it shares two cores with the backend and the proxy, and what
-it spends is CPU the proxy waits for, so its latencies would be the machine's queue more than the proxy's. So each
-stream is a protocol on the gateway's loop (uvloop where installed), its answer read in the read's own callback with
-no coroutine per event: the head, the chunked framing (RFC 9112 section 7.1), a body of a stated length or one that
-ends with its connection, and the events' lines compared as bytes.
+The client must take each event as it comes: one process reads 250 streams, one event after another, so an event
+that costs it 100 µs (aiohttp's client: a coroutine and a ``readline`` an event) keeps the ones that came with it
+waiting, and its latencies are its own queue more than the proxy's. It shares two cores with the backend and the
+proxy, too. So each stream is a protocol on the gateway's loop (uvloop where installed), its answer read in the
+read's own callback with no coroutine per event: the head, the chunked framing (RFC 9112 section 7.1), a body of a
+stated length or one that ends with its connection, and the events' lines compared as bytes.
 """
 
 from __future__ import annotations
