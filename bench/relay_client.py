@@ -97,9 +97,7 @@ class _Stream(asyncio.Protocol):
         self._lines(body, now_ns)
         if self.left == 0:  # a body of a stated length, whole: what a stream never is, but it has ended
             self._lines(b"\n", now_ns)
-            self._end(self._verdict())
-            if self.transport is not None:
-                self.transport.close()
+            self._finish()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.head is None or self.chunked:  # a chunked answer ends with its last chunk, not its connection
@@ -139,9 +137,7 @@ class _Stream(asyncio.Protocol):
                 return
             if size == 0:
                 self._lines(b"".join(body), now_ns)
-                self._end(self._verdict())
-                if self.transport is not None:
-                    self.transport.close()
+                self._finish()
                 return
             if len(raw) < line_end + 2 + size + 2:
                 break
@@ -175,6 +171,12 @@ class _Stream(asyncio.Protocol):
         if self.index != self.tokens or self.dones != 1:
             return self.fault or f"{self.index} events of {self.tokens}, {self.dones} [DONE]"
         return self.fault
+
+    def _finish(self) -> None:
+        """The answer has ended before its connection: say how it went, and close the connection."""
+        self._end(self._verdict())
+        if self.transport is not None:
+            self.transport.close()
 
     def _end(self, fault: str) -> None:
         if not self.ended.done():
