@@ -181,7 +181,7 @@ async def relay(
         end = await _events(answer, splicer, client, mover)
         whole = isinstance(end, Finished)
         if whole:
-            backend.failing = False
+            backend.failing = backend.refused = False
         elif isinstance(end, Broken) and end.cause in ("error_event", "abort"):
             backend.failing = True  # its engine may have died
         return end

@@ -8,6 +8,10 @@ accepts connections, which a probe tells when nothing else does, or another of i
 error event or an abort. vLLM 0.32.0 stops its engine before its listener, and logs a traceback before each
 stream's error event: with 56 streams on a busy 2-core machine, the last heard theirs 5-8 s after the first, the
 listener open all the while.
+
+It closes its listener only once its engine has stopped, and a backend that takes no connection takes no new
+request whose prefill could pause the others: there, half a second of silence is a stall whatever a stream's gaps
+were. So a backend in rotation is probed once a stream of it has been silent that long, not only at its bound.
 """
 
 from __future__ import annotations
@@ -42,10 +46,15 @@ def stall_bound(gap_s: float | None) -> float:
     return min(STALL_MAX_S, max(STALL_MIN_S, STALL_GAPS * gap_s))
 
 
-def stalled(movers: Iterable[Mover], now: float) -> list[Mover]:
-    """The streams among ``movers`` silent past their bound (those with no response yet are not streaming)."""
+def stalled(movers: Iterable[Mover], now: float, *, bound_s: float | None = None) -> list[Mover]:
+    """The streams among ``movers`` silent past their bound, or past ``bound_s`` where given (those with no response
+    yet are not streaming)."""
     return [
-        m for m in movers if not m.moved and m.heard_at is not None and now - m.heard_at > stall_bound(m.usual_gap())
+        m
+        for m in movers
+        if not m.moved
+        and m.heard_at is not None
+        and now - m.heard_at > (stall_bound(m.usual_gap()) if bound_s is None else bound_s)
     ]
 
 
@@ -100,30 +109,33 @@ def _connected(sock: socket.socket) -> bool:
 
 
 async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float) -> None:
-    """Every ``interval_s``, moves each stalled stream off a backend that is going away (cause ``stalled``); a
-    stall on a backend still in rotation gets it probed, at most once per ``PROBE_EVERY_S``, and a refused probe
-    makes it one that is going away. Runs until cancelled."""
+    """Every ``interval_s``, moves each stalled stream off a backend that is going away (cause ``stalled``): one
+    that refused a connection, each stream silent past ``STALL_MIN_S``; another, each silent past its bound. A
+    stream silent past ``STALL_MIN_S`` on a backend still in rotation gets it probed, at most once per
+    ``PROBE_EVERY_S``, and a refused probe makes it one that is going away. Runs until cancelled."""
     probed: dict[str, float] = {}  # backend URL -> when it was last probed
     probes: set[asyncio.Task[None]] = set()
 
     async def probe(url: str) -> None:
         if await refuses_connections(url, timeout_s=probe_timeout_s):
             backend = next((b for b in pool.backends if b.url == url), None)
-            if backend is not None and not backend.failing:
-                backend.failing = True  # its later stalls move at once
+            if backend is not None and not backend.refused:
+                backend.failing = backend.refused = True  # its later stalls move at once
                 log.warning("backend.refusing", backend=url)
-            _move(url, stalled(pool.holding.get(url, ()), time.monotonic()))
+            _move(url, stalled(pool.holding.get(url, ()), time.monotonic(), bound_s=STALL_MIN_S))
 
     try:
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
             for url, movers in list(pool.holding.items()):
-                stuck = stalled(movers, now)
-                if not stuck:
+                quiet = stalled(movers, now, bound_s=STALL_MIN_S)
+                if not quiet:
                     continue
-                if pool.going_away(url):
-                    _move(url, stuck)
+                if pool.refused(url):
+                    _move(url, quiet)
+                elif pool.going_away(url):
+                    _move(url, stalled(quiet, now))
                 elif now - probed.get(url, -PROBE_EVERY_S) >= PROBE_EVERY_S:
                     probed[url] = now
                     task = asyncio.create_task(probe(url))

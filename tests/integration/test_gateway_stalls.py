@@ -1,6 +1,7 @@
 """A stream silent on a backend whose engine has just ended another stream with an error event moves on once past its
 stall bound: vLLM 0.32.0, stopped, sends each stream's error event after logging a traceback, seconds apart on a busy
-machine, its listener open all the while, so a probe finds it accepting."""
+machine, its listener open all the while, so a probe finds it accepting. Once it closes its listener, its engine
+has stopped: a stream silent there for half a second moves, whatever its own bound."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import aiohttp
 from structlog.testing import capture_logs
 
-from simulate.fakes.sse_client import read_stream
+from simulate.fakes.sse_client import Streamed, read_stream
 from tests.gateway_harness import engines, gateway, metric, readiness, reference
 from tests.integration.test_gateway_keepalive import forwarded
 from tests.integration.test_gateway_token_ids import COMPLETION, HEALTHY, USAGE, _hung, assert_same, hanging_engine
@@ -82,3 +83,27 @@ async def test_a_stream_that_ends_whole_clears_the_error_and_a_silent_stream_the
         assert [e for e in logs if e["event"] == "gateway.moving"] == []
         assert await metric(gw, 'spotdrain_gateway_continuations_total{cause="error_event"}') >= 1
         silent.cancel()
+
+
+async def test_a_slow_stream_on_a_backend_that_refuses_connections_moves_after_half_a_second_of_silence() -> None:
+    path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
+    want = await reference(path, body)
+    flags = ("--health-interval", "60")  # no health check in time to notice: the stall's own probe must
+    async with (
+        hanging_engine(tokens_per_s=2.0, fault_after=4) as (hung, site),  # gaps of 0.5 s: its own bound is 2 s
+        engines(HEALTHY) as (healthy,),
+        gateway(hung, healthy, flags=flags) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        streamed = Streamed(0)
+        running = asyncio.create_task(read_stream(gw.url(path), body, session=session, into=streamed))
+        async with asyncio.timeout(5):
+            while not streamed.arrivals:
+                await asyncio.sleep(0.01)
+        await site.stop()  # no new connection; the open stream goes on to its fourth token, then hangs
+        got = await running
+        stalled = await metric(gw, 'spotdrain_gateway_continuations_total{cause="stalled"}')
+    assert_same(got, want)
+    assert stalled == 1
+    silence = max(b - a for a, b in zip(got.arrivals, got.arrivals[1:], strict=False))
+    assert silence < 1.4  # half a second, the watcher's interval (0.2 s) and a probe, not the stream's 2 s bound

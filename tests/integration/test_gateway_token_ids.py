@@ -180,10 +180,12 @@ async def test_a_backend_that_ignores_the_field_is_continued_by_text_and_counted
 
 
 @asynccontextmanager
-async def hanging_engine() -> AsyncIterator[tuple[int, web.TCPSite]]:
-    """A fake engine whose streams hang after 7 tokens; stopping its site refuses new connections and keeps the
-    hung ones open, as vLLM does on SIGTERM when it hangs (vLLM 0.32.0, measured)."""
-    engine = FakeEngine(EngineConfig(tokens_per_s=FAST_TOKENS_PER_S, fault="hang", fault_after=7))
+async def hanging_engine(
+    *, tokens_per_s: float = FAST_TOKENS_PER_S, fault_after: int = 7
+) -> AsyncIterator[tuple[int, web.TCPSite]]:
+    """A fake engine whose streams hang after ``fault_after`` tokens; stopping its site refuses new connections and
+    keeps the open ones open, as vLLM does on SIGTERM when it hangs (vLLM 0.32.0, measured)."""
+    engine = FakeEngine(EngineConfig(tokens_per_s=tokens_per_s, fault="hang", fault_after=fault_after))
     runner = web.AppRunner(engine.app(), handle_signals=False, shutdown_timeout=0.1)
     await runner.setup()
     port = free_port()

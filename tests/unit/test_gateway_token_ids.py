@@ -245,6 +245,7 @@ def test_a_stream_counts_as_stalled_only_once_it_streams_and_past_its_bound() ->
             mover.heard(step * gap)
     assert stalled([waiting, quick, slow], now=19 * 0.4 + 1.0) == [quick]
     assert stalled([waiting, quick, slow], now=19 * 0.4 + 2.1) == [quick, slow]
+    assert stalled([waiting, quick, slow], now=19 * 0.4 + 0.6, bound_s=0.5) == [quick, slow]
     quick.move("stalled")
     assert stalled([quick], now=100.0) == []
 
