@@ -41,7 +41,7 @@ class Backend:
     # A stall probe found it refusing new connections, or one of its streams ended with an error event or an abort:
     # its stalled streams move at once (gateway.stalls), until one of its streams ends whole.
     failing: bool = False
-    refused: bool = False  # ...and it was the probe: its streams stall at half a second's silence
+    refused: bool = False  # ...and it was the probe: its streams stall at half a second's silence, until it connects
     kept: Kept = field(default_factory=Kept, compare=False)  # its connections idle between streams
 
 
@@ -236,7 +236,7 @@ class Pool:
         return backend is None or not backend.ready or backend.failing
 
     def refused(self, url: str) -> bool:
-        """Whether the backend at ``url`` refused a stall probe's connection since one of its streams ended whole."""
+        """Whether the backend at ``url`` refused a stall probe's connection, and has not connected since."""
         return any(b.refused for b in self.backends if b.url == url)
 
     def any_ready(self) -> bool:

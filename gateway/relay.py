@@ -223,6 +223,7 @@ async def _sent(
         return Broken("timeout", f"no connection within {timeouts.connect_s} s")
     except OSError as error:
         return Broken("unavailable", str(error) or type(error).__name__)
+    backend.refused = False  # it takes connections again (restarted): a pause in its streams is not a stall yet
     return await _send(answer, path, body, headers, timeouts, mover)
 
 

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from simulate.fakes.sse_client import Streamed, read_stream
 from tests.gateway_harness import engines, gateway, metric, readiness, reference
-from tests.integration.test_gateway_keepalive import forwarded
+from tests.integration.test_gateway_keepalive import forwarded, serving
 from tests.integration.test_gateway_token_ids import COMPLETION, HEALTHY, USAGE, _hung, assert_same, hanging_engine
 
 ERRING = dataclasses.replace(HEALTHY, fault="error", fault_after=7)
@@ -107,3 +107,36 @@ async def test_a_slow_stream_on_a_backend_that_refuses_connections_moves_after_h
     assert stalled == 1
     silence = max(b - a for a, b in zip(got.arrivals, got.arrivals[1:], strict=False))
     assert silence < 1.4  # half a second, the watcher's interval (0.2 s) and a probe, not the stream's 2 s bound
+
+
+async def test_a_backend_that_refused_and_takes_connections_again_has_its_pauses_waited_for() -> None:
+    """Restarted at the same address (its container, say), it takes the next stream's new connection: that stream's
+    gaps of two thirds of a second are not stalls there, as they would be on a backend still refusing."""
+    path, body = COMPLETION[0], {**COMPLETION[1], **USAGE}
+    short = {**body, "max_tokens": 4}
+    want, want_short = await reference(path, body), await reference(path, short)
+    slow = dataclasses.replace(HEALTHY, tokens_per_s=1.5)
+    async with (
+        hanging_engine() as (hung, _),
+        engines(HEALTHY, slow) as (healthy, restarted),
+        serving(hung) as (forwarder, front, server),
+        readiness(2) as (ready, urls),
+    ):
+        ready[1] = False  # the first stream goes to the front
+        flags = ("--ready-url", urls[0], "--ready-url", urls[1])
+        async with gateway(front, healthy, flags=flags) as gw, aiohttp.ClientSession() as session:
+            first = await _hung(gw.url(path), body, session)
+            server.close()  # new connections refused; the hung stream's stays open
+            ready[1] = True
+            assert_same(await first, want)
+            forwarder.upstream = restarted
+            again = await asyncio.start_server(forwarder.handle, "127.0.0.1", front)
+            ready[1] = False
+            await asyncio.sleep(1.0)  # the health checks put the front back in rotation, and take the other out
+            with capture_logs() as logs:
+                second = await read_stream(gw.url(path), short, session=session)
+            again.close()
+            stalled = await metric(gw, 'spotdrain_gateway_continuations_total{cause="stalled"}')
+    assert_same(second, want_short)
+    assert stalled == 1  # the first stream's
+    assert [e for e in logs if e["event"] == "gateway.moving"] == []
