@@ -323,11 +323,12 @@ async def test_streams_on_a_server_stopped_with_sigterm_continue_exactly_and_wit
     assert_all_same(streams, want, calls)
     # From SIGTERM to the last continuation, every stream of the run continued. Hung streams: 0.74-3.34 s in 20 runs
     # while a stall waited for its own bound (up to 2 s) before the probe; 5.94 s once on a loaded machine, 52 of
-    # 56 streams moved 2 s after the probe had found the server refusing. Since a refusal moves every stream silent
-    # for half a second: 1.27 s idle; with two busy loops beside the two servers, 0.99-2.40 s in 4 runs and 12.0 s
-    # in one more (all 56 moved at once on the probe's refusal). Error events: 0.38-2.52 s; with two busy loops,
-    # 5.92, 7.34 and 9.66 s in 3 of 10 runs where the first error events all reached one worker and the other's
-    # streams waited for an error event of their own (each worker keeps its own backends' state).
+    # 56 streams moved 2 s after the probe had found the server refusing (1.27 s idle, 6.66 s with two busy loops
+    # beside the two servers). Since a refusal moves every stream silent for half a second: 0.65 s idle; with two
+    # busy loops, 0.99-2.40 s in 4 runs and 12.0 s in one more (all 56 moved at once on the probe's refusal).
+    # Error events: 0.59-2.52 s; with two busy loops, 5.92, 7.34 and 9.66 s in 3 of 9 runs where the first error
+    # events all reached one worker and the other's streams waited for an error event of their own (each worker
+    # keeps its own backends' state).
     assert took < 15.0, causes
     assert longest_silence(streams) < 15.0  # with the spare's prefill of every continuation at once
     assert spliced(early, generating, COMPLETIONS) >= 20
