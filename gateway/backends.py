@@ -232,12 +232,12 @@ class Pool:
         or its engine ended a stream with an error event or an abort."""
         if url in self.leaving:
             return True
-        backend = next((b for b in self.backends if b.url == url), None)
+        backend = self.backend(url)
         return backend is None or not backend.ready or backend.failing
 
-    def refused(self, url: str) -> bool:
-        """Whether the backend at ``url`` refused a stall probe's connection, and has not connected since."""
-        return any(b.refused for b in self.backends if b.url == url)
+    def backend(self, url: str) -> Backend | None:
+        """The backend at ``url``; None once it is gone from the Service."""
+        return next((b for b in self.backends if b.url == url), None)
 
     def any_ready(self) -> bool:
         return any(b.ready for b in self.backends)

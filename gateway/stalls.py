@@ -118,7 +118,7 @@ async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float
 
     async def probe(url: str) -> None:
         if await refuses_connections(url, timeout_s=probe_timeout_s):
-            backend = next((b for b in pool.backends if b.url == url), None)
+            backend = pool.backend(url)
             if backend is not None and not backend.refused:
                 backend.failing = backend.refused = True  # its later stalls move at once
                 log.warning("backend.refusing", backend=url)
@@ -132,7 +132,8 @@ async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float
                 quiet = stalled(movers, now, bound_s=STALL_MIN_S)
                 if not quiet:
                     continue
-                if pool.refused(url):
+                backend = pool.backend(url)
+                if backend is not None and backend.refused:  # it has not connected since
                     _move(url, quiet)
                 elif pool.going_away(url):
                     _move(url, stalled(quiet, now))
