@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from bench.sse_source import chunk
 from gateway.main import loop_factory
+from spotdrain.framing import BadAnswer, Framing
 
 _TEXT = b'"text":" '
 _DONE = b"data: [DONE]"
@@ -69,9 +70,8 @@ class _Stream(asyncio.Protocol):
         self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
         self.head: bytes | None = None  # the answer's head, once read
-        self.chunked = False
-        self.left: int | None = None  # of a body with a Content-Length, the bytes still to come
-        self.raw = b""  # bytes not yet unframed
+        self.framing = Framing(chunked=False, length=None)  # the body's, once the head is read
+        self.raw = b""  # bytes of the head, until it is whole
         self.text = b""  # unframed bytes not yet a whole line
         self.index = self.dones = 0
         self.fault = ""
@@ -84,23 +84,23 @@ class _Stream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         now_ns = time.monotonic_ns()
         self.heard = now_ns / 1e9
-        self.raw += data
-        if self.head is None and not self._read_head():
+        if self.head is None:
+            self.raw += data
+            if not self._read_head():
+                return
+            data, self.raw = self.raw, b""
+        try:
+            body = self.framing.unframe(data)
+        except BadAnswer as error:
+            self.abort(str(error))
             return
-        if self.chunked:
-            self._unframe(now_ns)
-            return
-        body, self.raw = self.raw, b""
-        if self.left is not None:
-            body = body[: self.left]
-            self.left -= len(body)
         self._lines(body, now_ns)
-        if self.left == 0:  # a body of a stated length, whole: what a stream never is, but it has ended
-            self._lines(b"\n", now_ns)
+        if self.framing.done:  # its last chunk, or a body of a stated length whole: the stream has ended
+            self._lines(b"\n", now_ns)  # the last line, where it had no line break
             self._finish()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.head is None or self.chunked:  # a chunked answer ends with its last chunk, not its connection
+        if self.head is None or self.framing.cut() is not None:  # a body the connection's close does not end
             self._end(f"connection ended: {exc or 'closed'}")
         else:
             self._lines(b"\n", time.monotonic_ns())  # the last line, where it had no line break
@@ -121,33 +121,10 @@ class _Stream(asyncio.Protocol):
             self.abort(f"{status_line.decode('latin-1')}: {self.raw[:120]!r}")
             return False
         values = {name.strip().lower(): value.strip() for name, _, value in (f.partition(b":") for f in fields)}
-        self.chunked = values.get(b"transfer-encoding", b"").lower() == b"chunked"
         length = values.get(b"content-length", b"")
-        if not self.chunked and length.isdigit():
-            self.left = int(length)
+        chunked = values.get(b"transfer-encoding", b"").lower() == b"chunked"
+        self.framing = Framing(chunked=chunked, length=int(length) if length.isdigit() else None)
         return True
-
-    def _unframe(self, now_ns: int) -> None:
-        raw, at, body = self.raw, 0, list[bytes]()
-        while (line_end := raw.find(b"\r\n", at)) >= 0:
-            try:
-                size = int(raw[at:line_end].partition(b";")[0], 16)
-            except ValueError:
-                self.abort(f"not a chunk size: {raw[at : at + 40]!r}")
-                return
-            if size == 0:
-                self._lines(b"".join(body), now_ns)
-                self._finish()
-                return
-            if len(raw) < line_end + 2 + size + 2:
-                break
-            if raw[line_end + 2 + size : line_end + 4 + size] != b"\r\n":
-                self.abort(f"no CRLF after a chunk of {size}")
-                return
-            body.append(raw[line_end + 2 : line_end + 2 + size])
-            at = line_end + 4 + size
-        self.raw = raw[at:]
-        self._lines(b"".join(body), now_ns)
 
     def _lines(self, data: bytes, now_ns: int) -> None:
         lines = (self.text + data).split(b"\n")

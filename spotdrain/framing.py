@@ -61,7 +61,12 @@ class Dechunker:
         """The data ``block`` completes, in one piece."""
         if not self._pending and self._left is None:  # what a streaming server writes: one whole chunk a read
             line_end = block.find(b"\r\n")
-            if line_end > 0 and (size := _chunk_size(block[:line_end])) and len(block) == line_end + size + 4:
+            if (
+                line_end > 0
+                and (size := _chunk_size(block[:line_end]))
+                and len(block) == line_end + size + 4
+                and block.endswith(b"\r\n")
+            ):
                 return block[line_end + 2 : -2]
         data = self._pending + block if self._pending else block
         out: list[bytes] = []
@@ -77,10 +82,15 @@ class Dechunker:
                     self.done = True
                     break
                 self._left = size + 2
-            take = min(self._left, end - at)
-            useful = min(take, self._left - 2)  # what is data, not the chunk's closing CRLF
+            left = self._left
+            take = min(left, end - at)
+            useful = min(take, left - 2)  # what is data, not the chunk's closing CRLF
             if useful > 0:
                 out.append(data[at : at + useful])
+            if take > left - 2:  # some of the CRLF, which may have begun in the last block
+                crlf = max(useful, 0)
+                if data[at + crlf : at + take] != b"\r\n"[2 - left + crlf : 2 - left + take]:
+                    raise BadAnswer("a chunk's data not followed by CRLF")
             self._left -= take
             at += take
             if self._left == 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from spotdrain.framing import Framing
+from spotdrain.framing import BadAnswer, Framing
 from spotdrain.http1_reads import Reads
 
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size without extensions: int() would take "-5", "0x5" or "1_0"
@@ -46,7 +46,7 @@ class Delivery:
             end = len(data)
             size = end - 4 - len(b"%x" % (end - 4))
             head = b"%x\r\n" % size
-            if size > 0 and len(head) + size + 2 == end and data.startswith(head):
+            if size > 0 and len(head) + size + 2 == end and data.startswith(head) and data.endswith(b"\r\n"):
                 self.give(data[len(head) : end - 2])
                 return
         self.deliver(data)
@@ -96,7 +96,9 @@ class Delivery:
                 out.append(self.framing.unframe(data[at:end]))
                 self.left = stop - end if size else -1
                 break
-            out.append(view[line_end + 2 : stop - 2])  # its CRLF not checked, as the framing does not
+            if not data.startswith(b"\r\n", stop - 2):
+                raise BadAnswer("a chunk's data not followed by CRLF")
+            out.append(view[line_end + 2 : stop - 2])
             at = stop
         if len(out) == 1:
             return bytes(out[0])

@@ -86,6 +86,27 @@ async def test_a_chunked_body_comes_out_whole_however_its_bytes_are_split(
 
 
 @READERS
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8),
+    broken=st.integers(0, 7),
+    crlf=st.binary(min_size=2, max_size=2).filter(lambda pair: pair != b"\r\n"),
+    size_format=st.sampled_from([b"%x", b"%X;ext=1"]),
+    cuts=st.lists(st.integers(0, 10_000)),
+)
+async def test_a_chunk_whose_data_is_not_followed_by_crlf_is_a_bad_answer_however_its_bytes_are_split(
+    pieces: list[bytes], broken: int, crlf: bytes, size_format: bytes, cuts: list[int], read_body: Reader
+) -> None:
+    at = broken % len(pieces)  # the chunk whose CRLF is replaced
+    wire = b"".join(
+        size_format % len(piece) + b"\r\n" + piece + (crlf if index == at else b"\r\n")
+        for index, piece in enumerate(pieces)
+    )
+    with pytest.raises(http1.BadAnswer):
+        await read_body(answer_of(split(HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + wire + b"0\r\n\r\n", cuts)))
+
+
+@READERS
 @settings(max_examples=100, deadline=None)
 @given(body=st.binary(max_size=200), extra=st.binary(max_size=20), cuts=st.lists(st.integers(0, 10_000)))
 async def test_a_sized_body_ends_at_its_length_and_a_closed_one_at_the_close(
@@ -162,6 +183,11 @@ async def test_a_chunked_body_read_by_read_comes_out_whole_with_reads_of_whole_c
         ([b"5\r\nhello\r\n", b"5_0\r\n" + b"x" * 80 + b"\r\n"], http1.BadAnswer),
         ([b"5\r\nhello\r\n", b"zz\r\nhello\r\n"], http1.BadAnswer),
         ([b"5\r\nhello\r\n5\r\nhello\r\n" + b"z" * 100 + b"\r\n"], http1.BadAnswer),  # a long size line
+        ([b"5\r\nhelloXY"], http1.BadAnswer),  # a whole chunk's length, without its CRLF
+        ([b"5\r\nhelloXY3\r\nabc\r\n0\r\n\r\n"], http1.BadAnswer),  # so, in a read of more than one chunk
+        ([b"5\r\nhello\r", b"X3\r\nabc\r\n0\r\n\r\n"], http1.BadAnswer),  # a CR, then not an LF
+        ([b"5\r\nhello", b"\n\r3\r\nabc\r\n0\r\n\r\n"], http1.BadAnswer),  # LF CR
+        ([b"6\r\nhello\r\n0\r\n\r\n"], http1.BadAnswer),  # a size one over
     ],
 )
 async def test_a_chunked_body_read_by_read_that_is_cut_or_broken_is_a_reset_or_a_bad_answer(
@@ -200,6 +226,7 @@ async def test_a_connection_that_ends_before_the_body_does_is_a_reset(wire: byte
         HEAD + b"Transfer-Encoding: chunked\r\n\r\n-5\r\nhello\r\n",
         HEAD + b"Transfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n",
         HEAD + b"Transfer-Encoding: chunked\r\n\r\n\r\n",
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhelloXY0\r\n\r\n",
     ],
 )
 @READERS
