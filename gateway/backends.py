@@ -6,8 +6,8 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Collection, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Collection, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol
@@ -121,6 +121,23 @@ class Mover:
 GAP_SAMPLE_MAX_S = 2.0
 
 
+class Held:
+    """``Pool.hold``'s context: ``mover`` among its backend's streams while it lasts (a class of its own, not a
+    generator's context, as every stream enters one)."""
+
+    __slots__ = ("mover", "movers")
+
+    def __init__(self, movers: set[Mover], mover: Mover) -> None:
+        self.movers = movers
+        self.mover = mover
+
+    def __enter__(self) -> None:
+        self.movers.add(self.mover)
+
+    def __exit__(self, *_: object) -> None:
+        self.movers.discard(self.mover)
+
+
 class Pool:
     def __init__(self, urls: Sequence[str], metrics: GatewayMetrics, *, ready_urls: Sequence[str] = ()) -> None:
         ready_urls = ready_urls or [f"{url}/health" for url in urls]
@@ -185,14 +202,9 @@ class Pool:
                 if backend.url in times:
                     backend.kept.close()
 
-    @contextmanager
-    def hold(self, backend: Backend, mover: Mover) -> Iterator[None]:
-        """While a stream relays from ``backend``: it can be moved off it."""
-        self.holding.setdefault(backend.url, set()).add(mover)
-        try:
-            yield
-        finally:
-            self.holding[backend.url].discard(mover)
+    def hold(self, backend: Backend, mover: Mover) -> Held:
+        """While a stream relays from ``backend`` (``with pool.hold(...)``): it can be moved off it."""
+        return Held(self.holding.setdefault(backend.url, set()), mover)
 
     def due(self, now: datetime, *, margin_s: float) -> list[tuple[str, Mover]]:
         """Streams on backends whose node goes within ``margin_s``: to be moved now."""

@@ -80,7 +80,7 @@ def refused(gateway: Gateway) -> Callable[[int], None]:
     (over the body limit, a head that is not HTTP)."""
 
     def count(status: int) -> None:
-        gateway.metrics.requests.labels(outcome="abandoned" if status == 408 else "rejected").inc()
+        gateway.metrics.counted("abandoned" if status == 408 else "rejected")
 
     return count
 
@@ -110,12 +110,12 @@ async def forward(
                 body = await answer.read()
                 if answer.status < 500:
                     outcome = "rejected" if answer.status >= 400 else ("continued" if attempt else "completed")
-                    gateway.metrics.requests.labels(outcome=outcome).inc()
+                    gateway.metrics.counted(outcome)
                     return web.Response(status=answer.status, body=body, headers=forwarded(answer.headers))
                 cause = "server_error"
         except TimeoutError:
             gateway.pool.failed(backend, "timeout")
-            gateway.metrics.requests.labels(outcome="cut").inc()
+            gateway.metrics.counted("cut")
             return no_backend_answer(f"no answer within {timeouts.request_s} s", status=504)
         except aiohttp.ClientConnectorError:
             cause = "unavailable"
@@ -128,5 +128,5 @@ async def forward(
 
 def _cut(gateway: Gateway, reason: str) -> web.Response:
     gateway.metrics.cuts.labels(reason=reason).inc()
-    gateway.metrics.requests.labels(outcome="cut").inc()
+    gateway.metrics.counted("cut")
     return no_backend_answer(f"no backend could answer ({reason})")

@@ -89,6 +89,8 @@ async def serve(server: Server, *, host: str, port: int, reuse_port: bool, ready
     listening = await loop.create_server(
         lambda: Connection(server), host, port, reuse_address=True, reuse_port=reuse_port or None
     )
+    for sock in listening.sockets:
+        _bound_unsent(sock)  # Linux gives each accepted socket its listener's bound: set once, not per connection
     try:
         bound = listening.sockets[0].getsockname()[1] if listening.sockets else port
         log.info("server.listening", server="api", host=host, port=bound)
@@ -116,7 +118,6 @@ class Connection(asyncio.Protocol):
         "_dechunker",
         "_finished",
         "_length",
-        "_lowat",
         "_paused",
         "_refused",
         "_timer",
@@ -139,7 +140,6 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None  # keep-alive while idle, the body timeout while reading one
         self._writable: asyncio.Future[None] | None = None  # while the transport's buffer is above its high water
         self._finished = False  # the answer to the request being served is complete
-        self._lowat = False  # the socket's unsent bytes are bounded
         self._paused = False  # reading paused: a next request arrived while one is served
         self._refused = False  # a request was refused: what the client still sends is dropped
 
@@ -184,9 +184,6 @@ class Connection(asyncio.Protocol):
         """Start a streamed 200 answer with ``headers``; raises ConnectionResetError once the client has gone."""
         assert self.request is not None
         transport = self._live()
-        if not self._lowat:
-            self._lowat = True
-            _bound_unsent(transport)
         lines = [f"Date: {self.server.date()}"]
         lines += ["Transfer-Encoding: chunked"] if self.request.chunked else []
         lines += ["Connection: close"] if self.request.closes else []
@@ -239,6 +236,8 @@ class Connection(asyncio.Protocol):
             if self.request is None and not self._take_head():
                 return
             if not self._take_body():
+                if self._timer is None and not self._refused:  # the body is read within the body timeout
+                    self._timer = asyncio.get_running_loop().call_later(self.server.body_timeout_s, self._body_late)
                 return
             self._serve()
 
@@ -262,7 +261,6 @@ class Connection(asyncio.Protocol):
         if expects and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._cancel_timer()
-        self._timer = asyncio.get_running_loop().call_later(self.server.body_timeout_s, self._body_late)
         return True
 
     def _take_body(self) -> bool:
@@ -367,11 +365,11 @@ class Connection(asyncio.Protocol):
             self._timer = None
 
 
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
+
+
 def _head(status: int, headers: Mapping[str, str], *lines: str) -> bytes:
-    try:
-        reason = HTTPStatus(status).phrase
-    except ValueError:
-        reason = ""
+    reason = _REASONS.get(status, "")
     fields = [f"{name}: {value}" for name, value in headers.items()]
     text = "\r\n".join([f"HTTP/1.1 {status} {reason}", *fields, *lines])
     try:  # a head read by the gateway's reader is latin-1, as it came; aiohttp's client decodes UTF-8
@@ -380,9 +378,8 @@ def _head(status: int, headers: Mapping[str, str], *lines: str) -> bytes:
         return text.encode("utf-8", "surrogateescape") + b"\r\n\r\n"
 
 
-def _bound_unsent(transport: asyncio.BaseTransport) -> None:
-    sock = transport.get_extra_info("socket")
+def _bound_unsent(sock: socket.socket) -> None:
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    if sock is not None and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+    if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, option, KERNEL_UNSENT_BYTES)

@@ -72,7 +72,7 @@ async def stream(
         response, outcome = None, "abandoned"
     finally:
         gateway.metrics.open_streams.dec()
-    gateway.metrics.requests.labels(outcome=outcome).inc()
+    gateway.metrics.counted(outcome)
     return response
 
 

@@ -79,8 +79,11 @@ class Reads(asyncio.Protocol):
         """Until woken (a read, the end of the connection), or TimeoutError after ``timeout_s``."""
         self._waiter = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(timeout_s):
+            if timeout_s is None:
                 await self._waiter
+            else:
+                async with asyncio.timeout(timeout_s):
+                    await self._waiter
         finally:
             self._waiter = None
 

@@ -4,6 +4,7 @@ keep-alive, pipelining, chunked and ``Expect`` bodies, HTTP/1.0, the refusals, t
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -238,6 +239,37 @@ async def test_a_body_that_stops_arriving_gets_408_after_the_body_timeout() -> N
         got = await exchange(served.port, b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
     assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
     assert served.refused == [408]
+
+
+async def test_a_body_in_pieces_within_the_body_timeout_is_served_and_the_timeout_is_over_with_it() -> None:
+    async with running(body_timeout_s=0.3) as served:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nContent-Length: 4\r\n\r\n")
+        for piece in (b"ab", b"c", b"d"):
+            await asyncio.sleep(0.08)  # 0.24 s in all: within the timeout, not within one piece's time
+            writer.write(piece)
+        first = await asyncio.wait_for(reader.readuntil(b"abcd"), 5)
+        await asyncio.sleep(0.4)  # past the body timeout: it must not answer a request already served
+        writer.write(post("/echo", b"next"))
+        second = await asyncio.wait_for(reader.readuntil(b"next"), 5)
+        writer.close()
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert second.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert served.refused == []
+
+
+async def test_a_clients_connection_holds_at_most_16_kib_unsent_in_the_kernel() -> None:
+    """The bound that lets a client that stopped reading meet the write timeout (server.KERNEL_UNSENT_BYTES), set on
+    the listening socket: Linux gives it to every connection accepted there."""
+    async with running() as served:
+        reader, writer = await holding(served.port)
+        (connection,) = served.server.connections
+        assert connection.transport is not None
+        sock = connection.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == server_module.KERNEL_UNSENT_BYTES
+        served.release.set()
+        await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
+        writer.close()
 
 
 async def test_a_head_request_gets_the_headers_without_the_body() -> None:
