@@ -230,10 +230,9 @@ async def _sent(
 async def _send(
     answer: http1.Answer, path: str, body: bytes, headers: bytes, timeouts: TimeoutSettings, mover: Mover
 ) -> http1.Answer:
-    mover.attach(answer)
+    mover.attach(answer)  # from here its read timeout bounds the silence, the answer's head's wait included
     try:
-        async with asyncio.timeout(timeouts.read_s):  # the answer's head; from there, the mover bounds the silence
-            await answer.send(path, body, headers, keep_alive=True)
+        await answer.send(path, body, headers, keep_alive=True)
     except BaseException:
         mover.attach(None)
         answer.close()
