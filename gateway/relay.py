@@ -213,7 +213,7 @@ async def _sent(
     a stream waiting on it is moved as a silent one is (gateway/stalls.py). Raises as ``relay`` handles."""
     if (kept := backend.kept.take()) is not None:
         try:
-            return await _send(http1.Answer(kept, backend.url), path, body, headers, timeouts, mover)
+            return await _send(http1.Answer(kept, backend.url), path, body, headers, mover)
         except http1.Unanswered:
             if mover.moved:
                 raise
@@ -224,12 +224,10 @@ async def _sent(
     except OSError as error:
         return Broken("unavailable", str(error) or type(error).__name__)
     backend.refused = False  # it takes connections again (restarted): a pause in its streams is not a stall yet
-    return await _send(answer, path, body, headers, timeouts, mover)
+    return await _send(answer, path, body, headers, mover)
 
 
-async def _send(
-    answer: http1.Answer, path: str, body: bytes, headers: bytes, timeouts: TimeoutSettings, mover: Mover
-) -> http1.Answer:
+async def _send(answer: http1.Answer, path: str, body: bytes, headers: bytes, mover: Mover) -> http1.Answer:
     mover.attach(answer)  # from here its read timeout bounds the silence, the answer's head's wait included
     try:
         await answer.send(path, body, headers, keep_alive=True)
