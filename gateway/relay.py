@@ -187,8 +187,6 @@ async def relay(
         return end
     except (ClientGone, asyncio.CancelledError):
         raise
-    except TimeoutError:
-        return Broken("timeout", f"no byte for {timeouts.read_s} s")
     except http1.BadAnswer as error:
         return Broken("garbage", str(error))
     except OSError as error:
