@@ -103,7 +103,7 @@ def refusal_at_start(body: dict[str, Any], *, chat: bool) -> str | None:
         return "multiple_choices" if len(prompt) > 1 else None
     if not chat and body.get("echo"):  # the first chunk's text holds the prompt too: the text so far is not known
         return "unsupported_prompt"
-    if not GUIDED_FIELDS.isdisjoint(body) and any(body[name] is not None for name in GUIDED_FIELDS.intersection(body)):
+    if any(body[name] is not None for name in GUIDED_FIELDS.intersection(body)):
         return "guided"
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") in ("json_schema", "json_object"):
