@@ -79,7 +79,7 @@ class GatewayMetrics:
                 multiprocess_mode="livemax",
             ),
         )
-        metrics.by_outcome.update({outcome: metrics.requests.labels(outcome=outcome) for outcome in OUTCOMES})
+        metrics.by_outcome.update(zeroed(metrics.requests, "outcome", OUTCOMES))
         zeroed(metrics.continuations, "cause", CAUSES)
         zeroed(metrics.continuation_methods, "method", METHODS)
         zeroed(metrics.cuts, "reason", REASONS)
