@@ -23,7 +23,8 @@ from typing import Any
 
 from gateway.token_ids import hide
 
-# A JSON string's content that means its own bytes (no escape, no control character), up to its closing quote.
+# A JSON string's content that means its own bytes (no escape, no control character): the text slot, whose closing
+# quote starts the shape's middle.
 _PLAIN = rb'([^"\\\x00-\x1f]*)'
 # One id in JSON (no leading zero), small enough for the splicer's 8-byte ids, and the list's end.
 _ID = rb"(0|[1-9][0-9]{0,17})\]"
