@@ -17,17 +17,15 @@ Pure: no I/O.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.token_ids import hide
 
-# A JSON string's content that means its own bytes (no escape, no control character): the text slot, whose closing
-# quote starts the shape's middle.
-_PLAIN = rb'([^"\\\x00-\x1f]*)'
+# A JSON string's content that means its own bytes (no escape, no control character), up to its closing quote.
+_PLAIN = re.compile(rb'[^"\\\x00-\x1f]*(?=")')
 # One id in JSON (no leading zero), small enough for the splicer's 8-byte ids, and the list's end.
-_ID = rb"(0|[1-9][0-9]{0,17})\]"
+_ID = re.compile(rb"(0|[1-9][0-9]{0,17})\]")
 _SPACE = b" \t\n\r"
 
 
@@ -41,33 +39,26 @@ class Shape:
     middle: bytes
     tail: bytes
     ids: bool  # the chunk has an ids slot
-    rest: re.Pattern[bytes] = field(init=False, repr=False, compare=False)  # what follows the prefix
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rest", _rest(self.middle, self.tail, self.ids))
 
     def match(self, data: bytes) -> tuple[bytes, int | None, int] | None:
         """The text (its UTF-8 bytes) and token id (None without ids) of ``data``, one event, and where its ids' ``[``
         is; None where it is not a chunk of this shape."""
         if not data.startswith(self.prefix):
             return None
-        slots = self.rest.fullmatch(data, len(self.prefix))
-        if slots is None:
+        start = len(self.prefix)
+        plain = _PLAIN.match(data, start)
+        if plain is None or not data.startswith(self.middle, close := plain.end()):
             return None
-        text = slots.group(1)
+        text = data[start:close]
         if not text.isascii() and not _utf8(text):
             return None
+        at = close + len(self.middle)
         if not self.ids:
-            return text, None, slots.end()
-        return text, int(slots.group(2)), slots.start(2) - 1
-
-
-@lru_cache(maxsize=64)
-def _rest(middle: bytes, tail: bytes, ids: bool) -> re.Pattern[bytes]:
-    """A shape's event after its prefix, its text and id as groups: one match a chunk, and one pattern for every
-    stream of a server (the prefix, which holds each stream's id, is compared apart)."""
-    slots = _PLAIN + re.escape(middle)
-    return re.compile(slots + _ID + re.escape(tail) if ids else slots)
+            return (text, None, at) if at == len(data) else None
+        token = _ID.match(data, at)
+        if token is None or len(data) - token.end() != len(self.tail) or not data.endswith(self.tail):
+            return None
+        return text, int(token.group(1)), at - 1
 
 
 def _utf8(text: bytes) -> bool:
