@@ -43,6 +43,7 @@ ROUNDS = int(os.environ.get("SPOTDRAIN_BENCH_ROUNDS", "3"))
 SPOTDRAIN = f"spotdrain ({default_workers()} workers)"
 SPOTDRAIN_ONE = "spotdrain (1 worker)"
 FLOOR = f"Python floor ({default_workers()} workers)"
+FLOOR_ONE = "Python floor (1 worker)"
 
 
 async def _spawn(argv: Sequence[str], log: Path) -> asyncio.subprocess.Process:
@@ -77,10 +78,13 @@ def ours(*, workers: int | None = None) -> Peer:
     return Peer(SPOTDRAIN_ONE, [*argv, "--workers", str(workers)])
 
 
-def floor() -> Peer:
-    """bench/python_relay.py: the least a Python proxy does per chunk, at the gateway's default worker count."""
+def floor(*, workers: int | None = None) -> Peer:
+    """bench/python_relay.py: the least a Python proxy does per chunk, at the gateway's default worker count or at
+    ``workers``."""
     argv = [sys.executable, "-m", "bench.python_relay", "--port", "{port}", "--backend", "{backend}"]
-    return Peer(FLOOR, [*argv, "--workers", str(default_workers())])
+    if workers is None:
+        return Peer(FLOOR, [*argv, "--workers", str(default_workers())])
+    return Peer(FLOOR_ONE, [*argv, "--workers", str(workers)])
 
 
 async def client_run(url: str, load: Load, *, spread_s: float | None = None) -> tuple[list[float], int, int, list[str]]:
@@ -142,7 +146,7 @@ async def play(workdir: Path, load: Load, peers: list[Peer]) -> list[Target]:
     backend = f"http://127.0.0.1:{backend_port}"
     source = [sys.executable, "-m", "bench.sse_source", "--port", str(backend_port), "--interval", str(load.interval_s)]
     source += ["--break-every", str(load.break_every)]
-    others = peers if load.break_every else [floor(), *peers]
+    others = peers if load.break_every else [floor(), floor(workers=1), *peers]
     async with started(source, workdir / "backend.log", f"{backend}/health"):
         targets = [Target(DIRECT, f"{backend}/v1/completions", None)]
         await _with(workdir, load, [ours(), ours(workers=1), *others], backend, targets)
