@@ -5,7 +5,7 @@ request is sent on to the backend on a connection of its own, and every read of 
 the client's transport as it came (its chunked framing included) from the protocol's callback: no coroutine per
 chunk, nothing parsed, no flow control. What the gateway does beyond this (each chunk's SSE lines and JSON, for a
 continuation) is what it costs above this floor. It takes ``POST`` with a ``Content-Length`` body, and
-``GET /health``; ``--workers`` processes share the port (``SO_REUSEPORT``), as the gateway's do.
+``GET /health``; ``--workers`` processes share the port (``SO_REUSEPORT``: the kernel spreads connections over them).
 """
 
 from __future__ import annotations

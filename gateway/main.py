@@ -20,6 +20,7 @@ from gateway.proxy import api, refused
 from gateway.server import Server
 from gateway.server import serve as serve_api
 from gateway.settings import GatewaySettings, from_arguments
+from gateway.spill import Turn
 from gateway.stalls import PROBE_TIMEOUT_S, STALL_CHECK_S, stall_watcher
 from gateway.streaming import Gateway
 from gateway.watch import WatchTimeouts
@@ -34,10 +35,10 @@ log = structlog.get_logger()
 
 
 async def api_server(
-    gateway: Gateway, *, after: asyncio.Event, ready_flag: asyncio.Event | None, shared: bool = False
+    gateway: Gateway, *, after: asyncio.Event, ready_flag: asyncio.Event | None, turn: Turn | None = None
 ) -> None:
     """Serves the OpenAI API once /metrics listens (so a ready gateway is always observable); until cancelled.
-    ``shared``: other workers bind the same port."""
+    A worker's ``turn``: it accepts on its parent's socket, in turn with the others."""
     await after.wait()
     settings = gateway.settings
     server = Server(
@@ -46,12 +47,12 @@ async def api_server(
         max_body_bytes=settings.max_body_bytes,
         body_timeout_s=settings.timeouts.read_s,
     )
-    await serve_api(server, host=settings.host, port=settings.port, reuse_port=shared, ready_flag=ready_flag)
+    await serve_api(server, host=settings.host, port=settings.port, ready_flag=ready_flag, turn=turn)
 
 
-async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = None, worker: bool = False) -> int:
-    """Run the gateway until SIGTERM or SIGINT; returns the exit code. A ``worker`` shares the API port with the
-    others, and its parent serves /metrics for all (gateway.workers)."""
+async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = None, worker: int | None = None) -> int:
+    """Run the gateway until SIGTERM or SIGINT; returns the exit code. A ``worker`` (its index) shares the API port
+    with the others, and its parent serves /metrics for all (gateway.workers)."""
     log_effective("gateway", settings)
     registry = CollectorRegistry()
     metrics = GatewayMetrics.create(registry)
@@ -68,7 +69,8 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
 
         metrics_listening = asyncio.Event()
         roles: list[Role] = []
-        if worker:
+        turn = None if worker is None else Turn.from_environment(worker, spill_at=settings.spill_at)
+        if turn is not None:
             metrics_listening.set()
         else:
             probes = probe_app(registry, ready=ready)
@@ -77,7 +79,7 @@ async def run(settings: GatewaySettings, *, ready_flag: asyncio.Event | None = N
             )
             roles.append(("metrics_server", server))
         roles += [
-            ("api_server", api_server(gateway, after=metrics_listening, ready_flag=ready_flag, shared=worker)),
+            ("api_server", api_server(gateway, after=metrics_listening, ready_flag=ready_flag, turn=turn)),
             (
                 "health_checker",
                 health_checker(
@@ -141,4 +143,4 @@ def main(args: argparse.Namespace) -> int:
     factory = loop_factory()
     log.info("gateway.event_loop", loop="uvloop" if factory is not None else "asyncio")
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(run(settings, worker=worker is not None))
+        return runner.run(run(settings, worker=None if worker is None else int(worker)))

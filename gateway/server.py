@@ -23,12 +23,16 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
 
 from gateway.request import BadRequest, Request, parse_head
 from spotdrain.framing import BadAnswer, Dechunker
+
+if TYPE_CHECKING:
+    from gateway.spill import Turn
 
 log = structlog.get_logger()
 
@@ -58,6 +62,7 @@ class Server:
         self.body_timeout_s = body_timeout_s
         self.connections: set[Connection] = set()
         self.stopping = False
+        self.shedding = False  # each answer ends its connection, for the client to connect again (gateway.spill)
         self._date = (0, "")
 
     def date(self) -> str:
@@ -82,26 +87,32 @@ class Server:
             connection.abort()
 
 
-async def serve(server: Server, *, host: str, port: int, reuse_port: bool, ready_flag: asyncio.Event | None) -> None:
-    """Listen on ``host:port`` until cancelled; sets ``ready_flag`` once listening. ``reuse_port``: other processes
-    bind the same port and the kernel spreads connections over them (SO_REUSEPORT)."""
+async def serve(
+    server: Server, *, host: str, port: int, ready_flag: asyncio.Event | None, turn: Turn | None = None
+) -> None:
+    """Listen on ``host:port`` until cancelled; sets ``ready_flag`` once listening. A worker's ``turn``: accept on
+    the socket its parent made, in turn with the other workers (gateway.spill)."""
     loop = asyncio.get_running_loop()
-    listening = await loop.create_server(
-        lambda: Connection(server), host, port, reuse_address=True, reuse_port=reuse_port or None
-    )
-    for sock in listening.sockets:
-        _bound_unsent(sock)  # Linux gives each accepted socket its listener's bound: set once, not per connection
+    listening = None
+    if turn is None:
+        listening = await loop.create_server(lambda: Connection(server), host, port, reuse_address=True)
+        for sock in listening.sockets:
+            bound_unsent(sock)  # Linux gives each accepted socket its listener's bound: set once, not per connection
+        port = listening.sockets[0].getsockname()[1] if listening.sockets else port
     try:
-        bound = listening.sockets[0].getsockname()[1] if listening.sockets else port
-        log.info("server.listening", server="api", host=host, port=bound)
+        log.info("server.listening", server="api", host=host, port=port)
         # What the program made to start (modules, settings, the loop) lives as long as it does: the full
         # collections that the streams' own objects set off need not walk it each time.
         gc.freeze()
         if ready_flag is not None:
             ready_flag.set()
-        await asyncio.Event().wait()
+        if turn is None:
+            await asyncio.Event().wait()
+        else:
+            await turn.run(lambda sock: loop.create_server(lambda: Connection(server), sock=sock), server)
     finally:
-        listening.close()
+        if listening is not None:
+            listening.close()
         await asyncio.shield(server.stop())
 
 
@@ -184,6 +195,7 @@ class Connection(asyncio.Protocol):
         """Start a streamed 200 answer with ``headers``; raises ConnectionResetError once the client has gone."""
         assert self.request is not None
         transport = self._live()
+        self.request.closes |= self.server.shedding
         lines = [f"Date: {self.server.date()}"]
         lines += ["Transfer-Encoding: chunked"] if self.request.chunked else []
         lines += ["Connection: close"] if self.request.closes else []
@@ -221,6 +233,7 @@ class Connection(asyncio.Protocol):
         assert self.request is not None
         body = response.body
         assert isinstance(body, bytes)
+        self.request.closes |= self.server.shedding
         self._answer(response.status, response.headers, body, closes=self.request.closes)
         self._finished = True
 
@@ -378,7 +391,7 @@ def _head(status: int, headers: Mapping[str, str], *lines: str) -> bytes:
         return text.encode("utf-8", "surrogateescape") + b"\r\n\r\n"
 
 
-def _bound_unsent(sock: socket.socket) -> None:
+def bound_unsent(sock: socket.socket) -> None:
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):

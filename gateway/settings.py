@@ -83,6 +83,14 @@ class GatewaySettings:
     metrics_port: int
     max_body_bytes: int
     workers: int  # processes sharing the API port
+    spill_at: float  # a worker's share of a CPU past which the next takes connections too
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 1")
+    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -166,8 +174,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "--workers",
         convert=positive_int,
-        help="gateway processes sharing the API port (SO_REUSEPORT), each restarted if it dies",
+        help="gateway processes sharing the API port, each restarted if it dies",
         default_help="the CPUs the container may use, from its cgroup quota",
+    )
+    add_flag(
+        parser,
+        "--spill-at",
+        convert=_share,
+        default=0.5,
+        help="with several workers: the share of a CPU a worker uses before the next takes new connections too "
+        "(0: every worker takes them from the start)",
     )
     add_flag(parser, "--max-body-bytes", convert=positive_int, default=16 * MIB, help="larger request bodies get 413")
     add_flag(parser, "--connect-timeout", convert=seconds, default=5.0, help="seconds to connect to a backend")
@@ -232,4 +248,5 @@ def from_arguments(args: argparse.Namespace) -> GatewaySettings:
         metrics_port=args.metrics_port,
         max_body_bytes=args.max_body_bytes,
         workers=args.workers or default_workers(),
+        spill_at=args.spill_at,
     )

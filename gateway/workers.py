@@ -1,11 +1,11 @@
 """``--workers N``: N gateway processes on one API port, each independent, and one /metrics that adds them up.
 
 One event loop uses one core; the Rust routers use every core a container may have. Each worker is a whole gateway
-(its own backends, health checks, EndpointSlice watch, stall and proactive moves) that binds the API port with
-``SO_REUSEPORT``, so the kernel spreads new connections over the workers. The parent only supervises: it serves
-/metrics, /live and /ready from the workers' series (prometheus_client's multiprocess mode: each worker writes its
-samples to files in a directory the parent reads; a dead worker's counts stay, its gauges go), and starts a worker
-again when one dies, while the others keep serving.
+(its own backends, health checks, EndpointSlice watch, stall and proactive moves) that accepts on the API socket the
+parent made, in turn with the others (gateway.spill: the first alone until it is busy). The parent only supervises:
+it serves /metrics, /live and /ready from the workers' series (prometheus_client's multiprocess mode: each worker
+writes its samples to files in a directory the parent reads; a dead worker's counts stay, its gauges go), and starts a
+worker again when one dies, while the others keep serving.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import structlog
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from gateway.settings import GatewaySettings
+from gateway.spill import BOARD_ENV, LISTEN_FD_ENV, Board, listening_socket
 from spotdrain.metrics import CollectorRegistry
 from spotdrain.probes import probe_app, serve
 from spotdrain.settings import log_effective
@@ -40,7 +41,6 @@ RESTART_PAUSE_S = 1.0  # a worker that dies within this of its start waits this 
 # shutdown timeout (60 s), as one gateway process does, and deploy/gateway's grace period is 70 s.
 STOP_GRACE_S = 65.0
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PROBE_TIMEOUT_S = 1.0
 
 
 def follow_parent() -> None:
@@ -64,10 +64,13 @@ def _metrics_dir() -> str:
 class Workers:
     """The worker processes: started with the gateway's own command line, started again when one dies."""
 
-    def __init__(self, count: int, argv: Sequence[str], metrics_dir: str) -> None:
+    def __init__(self, count: int, argv: Sequence[str], metrics_dir: str, *, listen_fd: int, board: Path) -> None:
         self.count = count
         self.argv = list(argv)
         self.metrics_dir = metrics_dir
+        self.listen_fd = listen_fd
+        self.board_path = board
+        self.board = Board.create(board, count)
         self.running: dict[int, asyncio.subprocess.Process] = {}  # index -> process
 
     async def start(self, index: int) -> None:
@@ -76,8 +79,12 @@ class Workers:
             WORKER_ENV: str(index),
             WORKER_ENV + "_PARENT": str(os.getpid()),
             METRICS_DIR_ENV: self.metrics_dir,
+            LISTEN_FD_ENV: str(self.listen_fd),
+            BOARD_ENV: str(self.board_path),
         }
-        process = await asyncio.create_subprocess_exec(*self.argv, env=env, stdin=asyncio.subprocess.DEVNULL)
+        process = await asyncio.create_subprocess_exec(
+            *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(self.listen_fd,)
+        )
         self.running[index] = process
         log.info("gateway.worker_started", worker=index, pid=process.pid)
 
@@ -98,6 +105,7 @@ class Workers:
                     pid = self.running[index].pid
                     log.warning("gateway.worker_exited", worker=index, pid=pid, code=future.result())
                     mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+                    self.board.clear(index)  # the next worker takes its connections from its next look
                     if time.monotonic() - started[index] < RESTART_PAUSE_S:
                         await asyncio.sleep(RESTART_PAUSE_S)  # a crash at start: not a tight loop of restarts
                     started[index] = time.monotonic()
@@ -120,24 +128,18 @@ class Workers:
                 await process.wait()
 
 
-async def ready_check(registry: CollectorRegistry, *, host: str, port: int) -> tuple[bool, str]:
-    """Ready when a worker sees a ready backend and a worker takes connections on the API port (a worker publishes
-    its backends before its API listens)."""
+def ready_check(registry: CollectorRegistry, board: Board) -> tuple[bool, str]:
+    """Ready when a worker sees a ready backend and a worker takes connections on the API socket (a worker publishes
+    its backends before it takes any)."""
     ready = 0.0
     for family in registry.collect():
         if family.name == "spotdrain_gateway_backends_ready":
             ready = max((sample.value for sample in family.samples), default=0.0)
     if ready <= 0:
         return False, "no backend ready"
-    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S):
-            _, writer = await asyncio.open_connection(local, port)
-    except (OSError, TimeoutError):
-        return False, f"{ready:.0f} backends ready, no worker listening on port {port}"
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
+    now = time.monotonic()
+    if not any(seen.serving and not seen.stale(now) for seen in board.read()):
+        return False, f"{ready:.0f} backends ready, no worker taking connections"
     return True, f"{ready:.0f} backends ready"
 
 
@@ -148,12 +150,19 @@ async def supervise(settings: GatewaySettings) -> int:
     try:
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=metrics_dir)  # type: ignore[no-untyped-call]
-        workers = Workers(settings.workers, [sys.executable, "-m", "spotdrain.cli", *sys.argv[1:]], metrics_dir)
+        try:
+            sock = listening_socket(settings.host, settings.port)
+        except OSError as error:
+            log.error("gateway.cannot_listen", host=settings.host, port=settings.port, error=str(error))
+            return 1
+        argv = [sys.executable, "-m", "spotdrain.cli", *sys.argv[1:]]
+        board = Path(metrics_dir) / "board"
+        workers = Workers(settings.workers, argv, metrics_dir, listen_fd=sock.fileno(), board=board)
         stop = asyncio.Event()
         on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
 
         async def ready() -> tuple[bool, str]:
-            return await ready_check(registry, host=settings.host, port=settings.port)
+            return ready_check(registry, workers.board)
 
         metrics = probe_app(registry, ready=ready)
         ok = await Supervisor(stop).run(
@@ -162,6 +171,7 @@ async def supervise(settings: GatewaySettings) -> int:
                 ("workers", workers.keep()),
             ]
         )
+        sock.close()
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     log.info("gateway.stopped")

@@ -68,7 +68,7 @@ async def running(*, max_body_bytes: int = 1000, body_timeout_s: float = 5.0) ->
     server = Server(handle, refused=refused.append, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
     ready = asyncio.Event()
     port = free_port()
-    task = asyncio.create_task(serve(server, host="127.0.0.1", port=port, reuse_port=False, ready_flag=ready))
+    task = asyncio.create_task(serve(server, host="127.0.0.1", port=port, ready_flag=ready))
     await ready.wait()
     served = Served(server, port, refused)
     try:
@@ -168,6 +168,28 @@ async def test_a_stream_asked_with_connection_close_is_still_chunked_so_a_cut_is
     assert b"Transfer-Encoding: chunked\r\n" in head
     assert b"Connection: close" in head
     assert dechunk(body) == b"0:x;1:x;2:x;end;"
+
+
+async def test_a_shedding_server_says_connection_close_and_ends_the_connection_after_each_answer() -> None:
+    """A worker past ``--spill-at`` while the next has room (gateway.spill): its keep-alive clients connect again."""
+    async with running() as served:
+        served.server.shedding = True
+        streamed = await exchange(served.port, post("/stream", b"x"))  # read until the server closes
+        whole = await exchange(served.port, post("/echo", b"y"))
+        served.server.shedding = False
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        for body in (b"a", b"b"):  # kept again
+            writer.write(post("/echo", body))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert b"Connection: close" not in head
+            assert await asyncio.wait_for(reader.readexactly(1), 5) == body
+        writer.close()
+    head, _, body = streamed.partition(b"\r\n\r\n")
+    assert b"\r\nConnection: close" in head
+    assert dechunk(body) == b"0:x;1:x;2:x;end;"
+    head, _, body = whole.partition(b"\r\n\r\n")
+    assert b"\r\nConnection: close" in head
+    assert body == b"y"
 
 
 async def test_an_http_1_0_stream_is_sent_unframed_and_ends_with_the_connection() -> None:
