@@ -26,7 +26,7 @@ NOTICE_AFTER_S = 2.0
 # The gateway moves a stream --migration-margin (15 s) before its node's termination time, the sidecar ends its
 # drain 10 s before the deadline at the latest (docs/gateway.md, docs/sidecar.md): both within the stream
 DEADLINE_S = 20
-GATEWAY_STREAMS = 2  # each gateway worker's first stream goes to the first backend by address, the Spot one
+GATEWAY_STREAMS = 2  # the first goes to the first backend by address, the Spot one
 REQUEST = {"model": "Qwen/Qwen2.5-7B-Instruct", "prompt": "Hello", "max_tokens": MAX_TOKENS, "stream": True}
 REQUEST["stream_options"] = {"include_usage": True}
 TIMEOUT_S = 60.0
