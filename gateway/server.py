@@ -23,16 +23,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 from aiohttp import web
 
 from gateway.request import BadRequest, Request, parse_head
 from spotdrain.framing import BadAnswer, Dechunker
-
-if TYPE_CHECKING:
-    from gateway.spill import Turn
 
 log = structlog.get_logger()
 
@@ -48,6 +45,13 @@ KERNEL_UNSENT_BYTES = 16 * 1024
 
 
 Handler = Callable[["Request", "Connection"], Awaitable[None]]
+Listen = Callable[[socket.socket], Awaitable[asyncio.AbstractServer]]
+
+
+class Turns(Protocol):
+    """How a worker takes connections in turn with the others, on the socket they share (gateway.spill.Turn)."""
+
+    async def run(self, listen: Listen, server: Server) -> None: ...
 
 
 class Server:
@@ -88,7 +92,7 @@ class Server:
 
 
 async def serve(
-    server: Server, *, host: str, port: int, ready_flag: asyncio.Event | None, turn: Turn | None = None
+    server: Server, *, host: str, port: int, ready_flag: asyncio.Event | None, turn: Turns | None = None
 ) -> None:
     """Listen on ``host:port`` until cancelled; sets ``ready_flag`` once listening. A worker's ``turn``: accept on
     the socket its parent made, in turn with the other workers (gateway.spill)."""

@@ -24,13 +24,12 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from gateway.server import Server, bound_unsent
+from gateway.server import Listen, Server, bound_unsent
 
 log = structlog.get_logger()
 
@@ -111,9 +110,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
-
-
-Listen = Callable[[socket.socket], Awaitable[asyncio.AbstractServer]]
 
 
 @dataclass

@@ -155,23 +155,19 @@ async def supervise(settings: GatewaySettings) -> int:
         except OSError as error:
             log.error("gateway.cannot_listen", host=settings.host, port=settings.port, error=str(error))
             return 1
-        argv = [sys.executable, "-m", "spotdrain.cli", *sys.argv[1:]]
-        board = Path(metrics_dir) / "board"
-        workers = Workers(settings.workers, argv, metrics_dir, listen_fd=sock.fileno(), board=board)
-        stop = asyncio.Event()
-        on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
+        with sock:
+            argv = [sys.executable, "-m", "spotdrain.cli", *sys.argv[1:]]
+            board = Path(metrics_dir) / "board"
+            workers = Workers(settings.workers, argv, metrics_dir, listen_fd=sock.fileno(), board=board)
+            stop = asyncio.Event()
+            on_signals(lambda sig: stop.set(), signal.SIGTERM, signal.SIGINT)
 
-        async def ready() -> tuple[bool, str]:
-            return ready_check(registry, workers.board)
+            async def ready() -> tuple[bool, str]:
+                return ready_check(registry, workers.board)
 
-        metrics = probe_app(registry, ready=ready)
-        ok = await Supervisor(stop).run(
-            [
-                ("metrics_server", serve(metrics, host=settings.host, port=settings.metrics_port, name="metrics")),
-                ("workers", workers.keep()),
-            ]
-        )
-        sock.close()
+            metrics = probe_app(registry, ready=ready)
+            metrics_server = serve(metrics, host=settings.host, port=settings.metrics_port, name="metrics")
+            ok = await Supervisor(stop).run([("metrics_server", metrics_server), ("workers", workers.keep())])
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     log.info("gateway.stopped")

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.spill import BOARD_ENV, Board
 from simulate.fakes.processes import engine_args, free_port, start, status_of, wait_http
 from simulate.fakes.sse_client import Streamed, read_stream
 
@@ -39,7 +41,13 @@ class Tree:
     def worker(self, index: int) -> int:
         """The pid of the worker ``index`` (from its environment)."""
         mark = f"SPOTDRAIN_GATEWAY_WORKER={index}".encode()
-        return next(pid for pid in self.workers() if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        return next(pid for pid in self.workers() if mark in _environment(pid))
+
+    def board(self) -> Board:
+        """The workers' board (gateway.spill), where a worker's environment says it is."""
+        mark = BOARD_ENV.encode() + b"="
+        found = next(v for v in _environment(self.worker(0)) if v.startswith(mark))
+        return Board(Path(found.removeprefix(mark).decode()))
 
     def accepted(self, pid: int) -> int:
         """How many of the clients' connections process ``pid`` holds (its sockets on the API port, from
@@ -61,6 +69,10 @@ class Tree:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
             return list(await asyncio.gather(*(read_stream(url, body, session=session) for _ in range(count))))
+
+
+def _environment(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
 
 
 async def until(condition: object, *, within_s: float = 15.0) -> None:
@@ -141,6 +153,9 @@ async def test_the_first_worker_takes_a_light_loads_connections_and_the_other_ta
     tree: Tree,
 ) -> None:
     first, second = tree.worker(0), tree.worker(1)
+    board = tree.board()
+    # Until both workers have looked: the second took connections while the first was starting.
+    await until(lambda: _settled(board))
     running = asyncio.create_task(tree.streams(20))  # 20 tokens at 20 a second: a second each
     await until(lambda: _at_least(tree, "spotdrain_gateway_open_streams", 20))  # summed over both workers
     assert (tree.accepted(first), tree.accepted(second)) == (20, 0)
@@ -154,6 +169,11 @@ async def test_the_first_worker_takes_a_light_loads_connections_and_the_other_ta
     assert tree.accepted(second) == 10
     assert len(whole(await running)) == 10
     await until(lambda: _at_most(tree, "spotdrain_gateway_open_streams", 0))
+
+
+async def _settled(board: Board) -> bool:
+    now = time.monotonic()
+    return [(s.serving, s.stale(now)) for s in board.read()] == [(True, False), (False, False)]
 
 
 async def _at_least(tree: Tree, sample: str, value: float) -> bool:

@@ -1,19 +1,24 @@
 """Which worker takes new connections (gateway.spill): the first alone until it is past ``--spill-at``, the next while
-each before it is, a worker not heard from as one past it; and the board the workers share."""
+each before it is, a worker not heard from as one past it; the board the workers share, and the parent's readiness
+from it."""
 
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import Gauge
 
 from gateway import server as server_module
 from gateway.settings import from_arguments
 from gateway.spill import STALE_S, Board, Seen, listening_socket, serves, sheds
+from gateway.workers import ready_check
 from spotdrain.cli import build_parser
+from spotdrain.metrics import CollectorRegistry
 
 NOW = 1000.0
 
@@ -99,3 +104,16 @@ def test_the_shared_socket_listens_passes_to_a_child_and_bounds_unsent_bytes() -
             listening_socket("127.0.0.1", sock.getsockname()[1])
     finally:
         sock.close()
+
+
+def test_the_parent_is_ready_once_a_worker_sees_a_ready_backend_and_one_takes_connections(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    backends = Gauge("spotdrain_gateway_backends_ready", "ready backends", registry=registry)
+    board = Board.create(tmp_path / "board", 2)
+    assert ready_check(registry, board) == (False, "no backend ready")
+    backends.set(1)
+    assert ready_check(registry, board) == (False, "1 backends ready, no worker taking connections")
+    board.write(1, Seen(time.monotonic(), 0.0, serving=True))
+    assert ready_check(registry, board) == (True, "1 backends ready")
+    board.write(1, Seen(time.monotonic() - STALE_S - 1, 0.0, serving=True))  # not heard from since
+    assert ready_check(registry, board)[0] is False
