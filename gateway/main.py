@@ -134,13 +134,13 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(args: argparse.Namespace) -> int:
     settings = from_arguments(args)
-    worker = os.environ.get(WORKER_ENV)
+    worker = None if (index := os.environ.get(WORKER_ENV)) is None else int(index)
     if worker is None and settings.workers > 1:
         return asyncio.run(supervise(settings))
     if worker is not None:
         follow_parent()
-        structlog.contextvars.bind_contextvars(worker=int(worker))
+        structlog.contextvars.bind_contextvars(worker=worker)
     factory = loop_factory()
     log.info("gateway.event_loop", loop="uvloop" if factory is not None else "asyncio")
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(run(settings, worker=None if worker is None else int(worker)))
+        return runner.run(run(settings, worker=worker))

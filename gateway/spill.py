@@ -60,6 +60,7 @@ class Board:
     """The workers' entries, in a file each process maps."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         with path.open("r+b") as file:
             self.map = mmap.mmap(file.fileno(), 0)
 
@@ -142,8 +143,9 @@ class Turn:
                     listening.close()
                     listening = None
                     log.info("gateway.leaving_connections", worker=self.index)
-                self.board.write(self.index, Seen(now, busy, serving))
-                server.shedding = sheds(self.index, self.board.read(), now, spill_at=self.spill_at)
+                seen[self.index] = Seen(now, busy, serving)
+                self.board.write(self.index, seen[self.index])
+                server.shedding = sheds(self.index, seen, now, spill_at=self.spill_at)
                 await asyncio.sleep(TICK_S)
                 used, at = time.process_time(), time.monotonic()
                 busy = (used - cpu) / max(at - wall, 1e-3)

@@ -69,7 +69,6 @@ class Workers:
         self.argv = list(argv)
         self.metrics_dir = metrics_dir
         self.listen_fd = listen_fd
-        self.board_path = board
         self.board = Board.create(board, count)
         self.running: dict[int, asyncio.subprocess.Process] = {}  # index -> process
 
@@ -80,7 +79,7 @@ class Workers:
             WORKER_ENV + "_PARENT": str(os.getpid()),
             METRICS_DIR_ENV: self.metrics_dir,
             LISTEN_FD_ENV: str(self.listen_fd),
-            BOARD_ENV: str(self.board_path),
+            BOARD_ENV: str(self.board.path),
         }
         process = await asyncio.create_subprocess_exec(
             *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(self.listen_fd,)

@@ -56,8 +56,7 @@ class Tree:
         for fd in Path(f"/proc/{pid}/fd").iterdir():
             with contextlib.suppress(FileNotFoundError):
                 inodes.add(os.readlink(fd).removeprefix("socket:[").removesuffix("]"))
-        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-        return sum(1 for r in rows if r[1].endswith(f":{self.port:04X}") and r[3] == "01" and r[9] in inodes)
+        return sum(1 for r in _tcp_rows(self.port) if r[3] == "01" and r[9] in inodes)
 
     async def metric(self, sample: str) -> float:
         _, page = await status_of(f"http://127.0.0.1:{self.metrics_port}/metrics")
@@ -115,8 +114,13 @@ async def _gone(pid: int) -> bool:
 
 async def _listening(port: int, count: int) -> bool:
     """Whether ``count`` sockets listen on ``port``, from /proc/net/tcp (state 0A is LISTEN)."""
+    return sum(1 for row in _tcp_rows(port) if row[3] == "0A") == count
+
+
+def _tcp_rows(port: int) -> list[list[str]]:
+    """The rows of /proc/net/tcp whose local port is ``port``, split into their fields."""
     rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-    return sum(1 for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A") == count
+    return [row for row in rows if row[1].endswith(f":{port:04X}")]
 
 
 def whole(streams: list[Streamed]) -> list[Streamed]:

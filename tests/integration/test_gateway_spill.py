@@ -18,6 +18,7 @@ from gateway import spill
 from gateway.request import Request
 from gateway.server import Connection, Server, serve
 from gateway.spill import Board, Seen, Turn, listening_socket
+from tests.conftest import until
 
 TICK_S = 0.05
 
@@ -69,15 +70,9 @@ def quick_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spill, "TICK_S", TICK_S)
 
 
-async def until(condition: object, *, within_s: float = 5.0) -> None:
-    async with asyncio.timeout(within_s):
-        while not condition():  # type: ignore[operator]
-            await asyncio.sleep(0.01)
-
-
 async def test_the_first_worker_takes_every_connection_while_it_has_room(tmp_path: Path) -> None:
     async with workers(tmp_path, [0, 1]) as (port, board):
-        await until(lambda: all(not s.stale(time.monotonic()) for s in board.read()))
+        await until(lambda: all(not s.stale(time.monotonic()) for s in board.read()), timeout_s=5)
         await asyncio.sleep(3 * TICK_S)  # the second has looked at the board since
         answers = await asyncio.gather(*(ask(port, b"%d" % n) for n in range(10)))
         assert answers == [b"0:%d" % n for n in range(10)]
@@ -93,7 +88,7 @@ async def test_the_second_takes_connections_while_the_first_is_full_or_gone_and_
             board.write(0, Seen(time.monotonic(), busy, True))
 
         first(0.1)
-        await until(lambda: board.read()[1].at > 0)
+        await until(lambda: board.read()[1].at > 0, timeout_s=5)
         assert not board.read()[1].serving
         waiting = asyncio.create_task(ask(port, b"queued"))  # no worker takes it: it waits in the backlog
         await asyncio.sleep(5 * TICK_S)
@@ -107,7 +102,7 @@ async def test_the_second_takes_connections_while_the_first_is_full_or_gone_and_
         for _ in range(4):  # under STAY of --spill-at: it leaves them
             first(0.1)
             await asyncio.sleep(TICK_S)
-        await until(lambda: not board.read()[1].serving)
+        await until(lambda: not board.read()[1].serving, timeout_s=5)
 
         board.clear(0)  # the first worker died (its parent clears its entry): the second takes them at once
         assert await ask(port, b"after") == b"1:after"
