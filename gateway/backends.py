@@ -125,14 +125,16 @@ class Held:
     """``Pool.hold``'s context: ``mover`` among its backend's streams while it lasts (a class of its own, not a
     generator's context, as every stream enters one)."""
 
-    __slots__ = ("mover", "movers")
+    __slots__ = ("mover", "movers", "streaming")
 
-    def __init__(self, movers: set[Mover], mover: Mover) -> None:
+    def __init__(self, movers: set[Mover], mover: Mover, streaming: asyncio.Event) -> None:
         self.movers = movers
         self.mover = mover
+        self.streaming = streaming
 
     def __enter__(self) -> None:
         self.movers.add(self.mover)
+        self.streaming.set()
 
     def __exit__(self, *_: object) -> None:
         self.movers.discard(self.mover)
@@ -144,6 +146,7 @@ class Pool:
         self.backends = [Backend(url, ready) for url, ready in zip(urls, ready_urls, strict=True)]
         self.metrics = metrics
         self.holding: dict[str, set[Mover]] = {}  # backend URL -> the streams it is relaying
+        self.streaming = asyncio.Event()  # set as a stream starts relaying; cleared by whoever waits for the next
         self.leaving: dict[str, datetime] = {}  # backend URL -> its node's termination time
         self.leaving_changed = asyncio.Event()
         self.recheck = asyncio.Event()  # a broken stream found no backend it has not tried: check readiness now
@@ -204,7 +207,13 @@ class Pool:
 
     def hold(self, backend: Backend, mover: Mover) -> Held:
         """While a stream relays from ``backend`` (``with pool.hold(...)``): it can be moved off it."""
-        return Held(self.holding.setdefault(backend.url, set()), mover)
+        return Held(self.holding.setdefault(backend.url, set()), mover, self.streaming)
+
+    async def relaying(self) -> None:
+        """Until a stream relays from a backend (at once where one does)."""
+        self.streaming.clear()
+        if not any(self.holding.values()):
+            await self.streaming.wait()
 
     def due(self, now: datetime, *, margin_s: float) -> list[tuple[str, Mover]]:
         """Streams on backends whose node goes within ``margin_s``: to be moved now."""

@@ -126,6 +126,7 @@ async def stall_watcher(pool: Pool, *, interval_s: float, probe_timeout_s: float
 
     try:
         while True:
+            await pool.relaying()  # no wakeup while no stream is open
             await asyncio.sleep(interval_s)
             now = time.monotonic()
             for url, movers in list(pool.holding.items()):

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from gateway.backends import Backend, Pool
+import asyncio
+
+from gateway.backends import Backend, Mover, Pool
 from gateway.metrics import GatewayMetrics
 from spotdrain.metrics import CollectorRegistry
 
@@ -34,3 +36,17 @@ def test_a_backend_that_failed_the_request_is_avoided_unless_it_is_the_only_one_
     assert not backends.any_ready()
     backends.set_ready(backends.backends[1], True)
     assert url(backends.pick()) == "http://b"
+
+
+async def test_relaying_waits_for_a_stream_and_returns_at_once_while_one_relays() -> None:
+    backends = pool("http://a")
+    waiting = asyncio.create_task(backends.relaying())
+    await asyncio.sleep(0.01)
+    assert not waiting.done(), "no stream relays: the stall watcher sleeps"
+    with backends.hold(backends.backends[0], Mover()):
+        await asyncio.wait_for(waiting, timeout=1)
+        await asyncio.wait_for(backends.relaying(), timeout=1)  # one still relays
+    after = asyncio.create_task(backends.relaying())
+    await asyncio.sleep(0.01)
+    assert not after.done(), "the stream ended: nothing to look at until the next"
+    after.cancel()
