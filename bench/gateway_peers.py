@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
-from bench.common import Result, tree_cpu_split_s, tree_cpu_used_s, tree_rss_mb
+from bench.common import CpuMark, Result, tree_rss_mb
 from bench.peer_figures import CONTINUED, DIRECT, LOADS, Load, Run, Target, merged, results, table
 from bench.peer_routers import LITELLM_SKIPPED, Missing, Peer, argv_for, routers
 from gateway.cpus import default_workers
@@ -118,17 +118,18 @@ async def client_run(url: str, load: Load, *, spread_s: float | None = None) -> 
 
 async def measured(target: Target, load: Load) -> Run:
     """One run of ``load`` against ``target``, its CPU and peak memory followed meanwhile."""
-    before = tree_cpu_split_s(target.pid) if target.pid else (0.0, 0.0)
-    sampling = asyncio.create_task(_peak(target)) if target.pid else None
+    pid = target.pid
+    before = CpuMark.of(pid) if pid else None
+    sampling = asyncio.create_task(_peak(target)) if pid else None
     load_average = os.getloadavg()[0]
     try:
         latencies, streams, exact, faults = await client_run(target.url, load)
     finally:
         if sampling is not None:
             sampling.cancel()
-    if not target.pid:
+    if not pid or before is None:
         return Run(latencies, streams, exact, faults, None, load_average)
-    used, kernel = tree_cpu_used_s(target.pid, before)
+    used, kernel = CpuMark.of(pid).since(before)
     return Run(latencies, streams, exact, faults, used, load_average, kernel_s=kernel)
 
 

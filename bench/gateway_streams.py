@@ -19,7 +19,7 @@ import tempfile
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-from bench.common import Result, tree_cpu_split_s, tree_cpu_used_s
+from bench.common import CpuMark, Result
 from bench.gateway_peers import ROUNDS, SPOTDRAIN, client_run, floor, ours, started
 from bench.peer_figures import Load
 from bench.peer_routers import Missing, Peer, argv_for, routers
@@ -36,9 +36,9 @@ PerStream = tuple[float, float]  # µs of CPU per stream: all of it, and its sys
 async def _cpu_per_stream(pid: int, url: str, load: Load, *, spread_s: float) -> tuple[PerStream, int]:
     """µs of the target's CPU per stream of ``load`` (and of it in the kernel), and how many of its streams were not
     exact."""
-    before = tree_cpu_split_s(pid)
+    before = CpuMark.of(pid)
     _, _, exact, _ = await client_run(url, load, spread_s=spread_s)
-    used, kernel = tree_cpu_used_s(pid, before)
+    used, kernel = CpuMark.of(pid).since(before)
     return (used * 1e6 / load.streams, kernel * 1e6 / load.streams), load.streams - exact
 
 

@@ -130,3 +130,37 @@ def test_the_footprint_probes_note_every_answer_that_is_not_a_200_and_every_refu
     assert failed == {seen["draining"], seen["closed"]}
     assert f"{seen['draining']}: 503" in seen["failures"]
     assert len(seen["failures"]) >= 4  # each probe repeats every period, failing each time
+
+
+CPU_MARKS = """
+import json, os, subprocess, sys, time
+from bench.common import CpuMark, SCHEDSTAT
+spin = "import threading, time\\ndef spin(s):\\n  end = time.process_time() + s\\n"
+spin += "  while time.process_time() < end: pass\\n"
+then = "print('started', flush=True); input(); spin(0.2)\\nt = threading.Thread(target=spin, args=(0.3,))\\n"
+then += "t.start(); t.join(); print('ended', flush=True); input()"
+child = subprocess.Popen([sys.executable, "-c", spin + then], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+first = CpuMark.of(child.pid)
+child.stdin.write("\\n"); child.stdin.flush()
+child.stdout.readline()  # both spins done, the thread ended
+second = CpuMark.of(child.pid)
+time.sleep(0.2)
+third = CpuMark.of(child.pid)  # idle: nothing since the second
+child.kill()
+own = CpuMark.of(os.getpid())
+end = time.process_time() + 0.0155
+while time.process_time() < end:
+    pass
+print(json.dumps([SCHEDSTAT, second.since(first), third.since(second), CpuMark.of(os.getpid()).since(own)[0]]))
+"""
+
+
+def test_a_cpu_mark_counts_to_the_nanosecond_and_a_thread_that_ended_between_marks_by_the_ticks() -> None:
+    schedstat, (spun, spun_system), (idle, idle_system), short = run_bench_code(CPU_MARKS)
+    assert 0.48 <= spun <= 0.6, "the main thread's 0.2 s and the ended thread's 0.3 s (from the ticks)"
+    assert 0 <= spun_system <= spun
+    assert 0 <= idle < 0.01
+    assert idle_system == 0
+    if schedstat:
+        assert 0.0155 <= short < 0.019, "15.5 ms counted as such, where ticks of 10 ms say 10 or 20"
