@@ -54,9 +54,20 @@ class Mover:
     goes (cause ``proactive``), when it stalls on a backend that is going away (``stalled``), or when the backend
     has been silent for the read timeout (``timeout``)."""
 
-    __slots__ = ("_folded", "_gap_s", "_response", "_timer", "cause", "heard_at", "moved", "reads", "silence_s")
+    __slots__ = (
+        "_folded",
+        "_gap_s",
+        "_loop",
+        "_response",
+        "_timer",
+        "cause",
+        "heard_at",
+        "moved",
+        "reads",
+        "silence_s",
+    )
 
-    def __init__(self, *, silence_s: float | None = None) -> None:
+    def __init__(self, *, silence_s: float | None = None, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.moved = False
         self.cause = "proactive"
         self.heard_at: float | None = None  # monotonic time of the backend's last bytes (None: no response yet)
@@ -66,6 +77,7 @@ class Mover:
         self.silence_s = silence_s  # the read timeout; None: none
         self._response: Closable | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._loop = loop  # the running one, where the caller has it (asking makes a getpid system call)
 
     def attach(self, response: Closable | None) -> None:
         self._response = response
@@ -77,7 +89,8 @@ class Mover:
         if response is not None and self.moved:
             response.close()
         elif response is not None and self.silence_s is not None:
-            self._timer = asyncio.get_running_loop().call_later(self.silence_s, self._check_silence)
+            self._loop = self._loop or asyncio.get_running_loop()
+            self._timer = self._loop.call_later(self.silence_s, self._check_silence)
 
     def heard(self, now: float) -> None:
         """The backend sent bytes at ``now``."""
@@ -114,7 +127,7 @@ class Mover:
         if left <= 0:
             self.move("timeout")
         else:
-            self._timer = asyncio.get_running_loop().call_later(left, self._check_silence)
+            self._timer = (self._loop or asyncio.get_running_loop()).call_later(left, self._check_silence)
 
 
 # A prefill can hold a stream's second read back a while: one slow read must not make the usual gap long.

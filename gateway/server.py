@@ -137,6 +137,7 @@ class Connection(asyncio.Protocol):
         "_refused",
         "_timer",
         "_writable",
+        "loop",
         "request",
         "server",
         "task",
@@ -145,6 +146,9 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, server: Server) -> None:
         self.server = server
+        # Kept: asyncio.get_running_loop() makes a getpid system call each time (Python 3.11), and a request asks
+        # for the loop three times or more.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.request: Request | None = None  # whose body is being read, or which is being served
         self.task: asyncio.Task[None] | None = None
@@ -186,7 +190,7 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._writable is None:
-            self._writable = asyncio.get_running_loop().create_future()
+            self._writable = self.loop.create_future()
 
     def resume_writing(self) -> None:
         if self._writable is not None and not self._writable.done():
@@ -254,7 +258,7 @@ class Connection(asyncio.Protocol):
                 return
             if not self._take_body():
                 if self._timer is None and not self._refused:  # the body is read within the body timeout
-                    self._timer = asyncio.get_running_loop().call_later(self.server.body_timeout_s, self._body_late)
+                    self._timer = self.loop.call_later(self.server.body_timeout_s, self._body_late)
                 return
             self._serve()
 
@@ -312,7 +316,7 @@ class Connection(asyncio.Protocol):
     def _serve(self) -> None:
         assert self.request is not None
         self._finished = False
-        self.task = asyncio.get_running_loop().create_task(self._run(self.request))
+        self.task = self.loop.create_task(self._run(self.request))
 
     async def _run(self, request: Request) -> None:
         try:
@@ -353,7 +357,7 @@ class Connection(asyncio.Protocol):
             # Closing with the client's bytes unread would send a reset, which can destroy this answer in the
             # client's buffer: the rest is read and dropped until the client closes, or for the body timeout.
             self.transport.write_eof()
-            self._timer = asyncio.get_running_loop().call_later(self.server.body_timeout_s, self.abort)
+            self._timer = self.loop.call_later(self.server.body_timeout_s, self.abort)
         else:
             self.transport.close()
 
@@ -374,7 +378,7 @@ class Connection(asyncio.Protocol):
 
     def _idle(self) -> None:
         self._cancel_timer()
-        self._timer = asyncio.get_running_loop().call_later(KEEPALIVE_S, self.abort)
+        self._timer = self.loop.call_later(KEEPALIVE_S, self.abort)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

@@ -159,7 +159,7 @@ class _Run:
 
     async def _send(self, backend: Backend, request: _Request, comment: bytes) -> End | Rejected:
         read_s = self.gateway.settings.timeouts.read_s
-        mover = Mover(silence_s=read_s)
+        mover = Mover(silence_s=read_s, loop=self.client.connection.loop)
         with self.gateway.pool.hold(backend, mover):
             end = await relay(
                 backend,

@@ -21,9 +21,10 @@ VIEW = memoryview(BUFFER)
 class Reads(asyncio.Protocol):
     """A connection's reads, each as the bytes the transport made of it."""
 
-    __slots__ = ("_waiter", "blocks", "born", "eof", "error", "held", "paused", "sink", "transport")
+    __slots__ = ("_loop", "_waiter", "blocks", "born", "eof", "error", "held", "paused", "sink", "transport")
 
     def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None  # kept once asked: asking makes a getpid system call
         self.transport: asyncio.Transport | None = None
         self.blocks: list[bytes] = []  # a list, not a deque: an open stream holds one, and a deque is 600 bytes
         self.held = 0  # bytes in ``blocks``
@@ -75,9 +76,14 @@ class Reads(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _future(self) -> asyncio.Future[None]:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop.create_future()
+
     async def wait(self, timeout_s: float | None = None) -> None:
         """Until woken (a read, the end of the connection), or TimeoutError after ``timeout_s``."""
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._future()
         try:
             if timeout_s is None:
                 await self._waiter
@@ -104,7 +110,7 @@ class Reads(asyncio.Protocol):
                 if self.error is not None:
                     raise ConnectionResetError(str(self.error) or type(self.error).__name__)
                 return None
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._future()
             try:
                 await self._waiter
             finally:
