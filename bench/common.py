@@ -124,9 +124,9 @@ class CpuMark:
             user_then, system_then = before.ticks.get(pid, (0.0, 0.0))
             ticked = user_s - user_then + system_s - system_then
             system += system_s - system_then
-            then = before.threads.get(pid, {})
-            precise = sum(ns - then.get(tid, 0) for tid, ns in self.threads.get(pid, {}).items()) / 1e9
-            used += ticked if not self.threads.get(pid) or ticked - precise > TICKS_ROUNDING_S else precise
+            now, then = self.threads.get(pid, {}), before.threads.get(pid, {})
+            precise = sum(ns - then.get(tid, 0) for tid, ns in now.items()) / 1e9
+            used += ticked if not now or ticked - precise > TICKS_ROUNDING_S else precise
         return used, system
 
 
@@ -136,11 +136,6 @@ def _on_cpu_ns(pid: int) -> dict[int, int]:
         with suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
             threads[int(task.name)] = int((task / "schedstat").read_text().split()[0])
     return threads
-
-
-def tree_cpu_s(pid: int) -> float:
-    """The CPU seconds ``pid`` and every process under it have used so far (in clock ticks)."""
-    return sum(sum(split) for split in CpuMark.of(pid).ticks.values())
 
 
 def tree_rss_mb(pid: int) -> tuple[float, float]:

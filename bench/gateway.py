@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import Result, report, tree_cpu_s, tree_rss_mb
+from bench.common import CpuMark, Result, report, tree_rss_mb
 from simulate.fakes.processes import engine_args, free_port, start, status_of, wait_http
 from simulate.fakes.sse_client import Streamed, read_stream
 
@@ -182,9 +182,9 @@ async def throughput(
     sent."""
     sources = (source(interval_s, token_ids=token_ids), source(interval_s, token_ids=token_ids))
     async with processes(workdir, *sources) as running:
-        before = tree_cpu_s(running.gateway.pid)
+        before = CpuMark.of(running.gateway.pid)
         results = await streams(running.port, count, {"prompt": "x", "max_tokens": chunks})
-        used = tree_cpu_s(running.gateway.pid) - before
+        used, _ = CpuMark.of(running.gateway.pid).since(before)
     relayed = sum(len(r.chunks) for r in results)
     pace = f"{1 / interval_s:.0f} chunks/s per stream" if interval_s else "as fast as the backends write"
     return relayed / used, f"{relayed} chunks in {used:.2f} CPU s ({count} streams, {pace}, 2 backends)"

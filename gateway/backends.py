@@ -127,7 +127,8 @@ class Mover:
         if left <= 0:
             self.move("timeout")
         else:
-            self._timer = (self._loop or asyncio.get_running_loop()).call_later(left, self._check_silence)
+            assert self._loop is not None  # kept by attach, which made the first of these timers
+            self._timer = self._loop.call_later(left, self._check_silence)
 
 
 # A prefill can hold a stream's second read back a while: one slow read must not make the usual gap long.
