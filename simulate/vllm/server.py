@@ -20,7 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +110,7 @@ class VllmServer:
     model: Path
     log_path: Path
     extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)  # besides ENGINE_ENV
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -129,7 +130,7 @@ class VllmServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **ENGINE_ENV},
+                env={**os.environ, **ENGINE_ENV, **self.env},
                 start_new_session=True,
             )
 
@@ -188,12 +189,16 @@ class VllmServer:
 
 
 def start_servers(
-    ports: Sequence[int], *, model: Path, log_dir: Path, extra_args: Sequence[str] = ()
+    ports: Sequence[int],
+    *,
+    model: Path,
+    log_dir: Path,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> list[VllmServer]:
     """Start one server per port at once (they load in parallel) and return when all are ready."""
     servers = [
-        VllmServer(port=port, model=model, log_path=log_dir / f"vllm-{port}.log", extra_args=tuple(extra_args))
-        for port in ports
+        VllmServer(port, model, log_dir / f"vllm-{port}.log", tuple(extra_args), dict(env or {})) for port in ports
     ]
     try:
         for server in servers:

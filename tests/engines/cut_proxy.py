@@ -6,7 +6,8 @@ health checks, ``/v1/models``, whole answers, and every stream it is not told to
 
 It also keeps, for each stream it relays, the ids the engine was asked with and those it sent (the gateway asks for
 them on every request), so a test can tell an engine that decoded otherwise than its reference (``diverged``) from a
-gateway that spliced wrongly (``own_tokens``).
+gateway that spliced wrongly (``own_tokens``). ``Recorded`` reads the same from what servers recorded of themselves
+(tests/engines/engine_record.py), where a proxy would change how a stream ends: a server killed or stopped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -75,8 +77,23 @@ class Leg:
     prompt: list[int] = field(default_factory=list)  # the prompt's ids, as the engine said it read them
     ids: list[int] = field(default_factory=list)  # every token id the engine sent, the last cut event's too
 
+    def sent(self, data: bytes) -> bool:
+        """Take in an event the engine sent; whether it carries the stream's finish_reason."""
+        ids, prompt, finished = tokens_in(data)
+        self.ids.extend(ids)
+        if prompt is not None and not self.prompt:
+            self.prompt.extend(prompt)
+        return finished
 
-def legs_of(key: str, *proxies: CutProxy) -> list[Leg]:
+
+class Seen(Protocol):
+    """Where a test saw what an engine was asked and sent: a ``CutProxy``, or a ``Recorded`` engine."""
+
+    @property
+    def legs(self) -> dict[str, list[Leg]]: ...  # leg_key -> each of its streams, in order
+
+
+def legs_of(key: str, *proxies: Seen) -> list[Leg]:
     """Each leg of ``key``'s stream, in the order the gateway sent them, whichever proxy it chose."""
     return sorted((leg for p in proxies for leg in p.legs.get(key, ())), key=lambda leg: leg.started)
 
@@ -133,7 +150,7 @@ def diverged(reference: list[int], legs: list[list[int]]) -> Divergence | None:
     return None
 
 
-def engine_diverged(streams: list[tuple[str, str, list[int]]], *proxies: CutProxy) -> dict[int, list[int]]:
+def engine_diverged(streams: list[tuple[str, str, list[int]]], *proxies: Seen) -> dict[int, list[int]]:
     """The streams (what to print, leg key, the reference's ids) whose engine decoded otherwise than the reference,
     each printed with where, and with the tokens the engine made for it: its client's, if the gateway spliced right.
     Fails where a continuation resumed from ids the engine had not sent (the gateway's doing: never excused), and
@@ -154,6 +171,42 @@ def _agreeing(reference: list[int], leg: list[int]) -> int:
     return next(
         (k for k, (a, b) in enumerate(zip(reference, leg, strict=False)) if a != b), min(len(reference), len(leg))
     )
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The legs tests/engines/engine_record.py's middleware recorded in ``directory``, read as a proxy keeps them."""
+
+    legs: dict[str, list[Leg]]
+
+    @classmethod
+    def read(cls, directory: Path) -> Recorded:
+        asked: dict[tuple[str, int], dict[str, Any]] = {}
+        out: dict[tuple[str, int], bytearray] = {}
+        for file in sorted(directory.glob("*.jsonl")):
+            for line in file.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # the last line of a server killed as it wrote it
+                    continue
+                number = (file.name, entry["n"])
+                if "body" in entry:
+                    asked[number] = entry
+                else:
+                    out.setdefault(number, bytearray()).extend(entry["out"].encode("latin-1"))
+        legs: dict[str, list[Leg]] = {}
+        for number, entry in sorted(asked.items(), key=lambda item: item[1]["at"]):
+            try:
+                body = json.loads(entry["body"].encode("latin-1"))
+            except ValueError:
+                continue
+            if (mine := leg_key(body)) is None or not entry["path"].startswith("/v1/"):
+                continue
+            leg = Leg(entry["at"], _ints(body["prompt"]) if "prompt" in body else None)
+            for data in SseParser().feed(bytes(out.get(number, b""))):
+                leg.sent(data)
+            legs.setdefault(mine, []).append(leg)
+        return cls(legs)
 
 
 @dataclass
@@ -209,10 +262,7 @@ class CutProxy:
         async for block in up.content.iter_any():
             for data in parser.feed(block):
                 await response.write(b"data: " + data + b"\n\n")
-                sent, prompt, finished = tokens_in(data)
-                leg.ids.extend(sent)
-                if prompt is not None and not leg.prompt:
-                    leg.prompt.extend(prompt)
+                finished = leg.sent(data)
                 if cut is not None and len(leg.ids) >= cut and key is not None:
                     self.done.append(key)
                     if finished:
