@@ -11,6 +11,7 @@ from simulate.fakes.processes import free_port
 from simulate.ray.server import RayNode
 from simulate.ray.server import available as ray_available
 from simulate.vllm.server import VllmServer, available, start_servers, thinking_model, tiny_model
+from tests.engines.engine_record import recording
 
 SERVERS = 3  # enough to kill one and still continue on another, with a third for tests that need two alive
 TOOLS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
@@ -65,7 +66,9 @@ def serving(model: Path, log_dir: Path, args: tuple[str, ...]) -> VllmServer:
 @pytest.fixture(scope="session")
 def vllm_pool(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
     log_dir = tmp_path_factory.mktemp("vllm")
-    servers = start_servers([free_port() for _ in range(SERVERS)], model=vllm_model, log_dir=log_dir)
+    middleware, env = recording(log_dir)  # what each is asked and sends, for the gateway's tests to judge by
+    ports = [free_port() for _ in range(SERVERS)]
+    servers = start_servers(ports, model=vllm_model, log_dir=log_dir, extra_args=middleware, env=env)
     try:
         yield servers
     finally:

@@ -24,7 +24,9 @@ import aiohttp
 from aiohttp import web
 
 from gateway.sse import SseParser
+from simulate.vllm.server import VllmServer
 from tests.conftest import serving_app
+from tests.engines.engine_record import RECORD_ENV
 
 
 def key_of(body: Any) -> str | None:
@@ -175,21 +177,26 @@ def _agreeing(reference: list[int], leg: list[int]) -> int:
 
 @dataclass(frozen=True)
 class Recorded:
-    """The legs tests/engines/engine_record.py's middleware recorded in ``directory``, read as a proxy keeps them."""
+    """The legs tests/engines/engine_record.py's middleware recorded, read as a proxy keeps them."""
 
     legs: dict[str, list[Leg]]
 
     @classmethod
-    def read(cls, directory: Path) -> Recorded:
-        asked: dict[tuple[str, int], dict[str, Any]] = {}
-        out: dict[tuple[str, int], bytearray] = {}
-        for file in sorted(directory.glob("*.jsonl")):
+    def of(cls, *servers: VllmServer) -> Recorded:
+        """What ``servers`` recorded, each started with ``engine_record.recording``."""
+        return cls.read(*{Path(server.env[RECORD_ENV]) for server in servers})
+
+    @classmethod
+    def read(cls, *directories: Path) -> Recorded:
+        asked: dict[tuple[Path, int], dict[str, Any]] = {}
+        out: dict[tuple[Path, int], bytearray] = {}
+        for file in sorted(f for directory in directories for f in directory.glob("*.jsonl")):
             for line in file.read_text(encoding="utf-8").splitlines():
                 try:
                     entry = json.loads(line)
                 except ValueError:  # the last line of a server killed as it wrote it
                     continue
-                number = (file.name, entry["n"])
+                number = (file, entry["n"])
                 if "body" in entry:
                     asked[number] = entry
                 else:

@@ -17,14 +17,21 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import IO, Any
 
 RECORD_ENV = "SPOTDRAIN_ENGINE_RECORD"
+ROOT = Path(__file__).resolve().parents[2]
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Message, Receive, Send], Awaitable[None]]
+
+
+def recording(directory: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The arguments and the environment that have a vLLM server record into ``directory``."""
+    return ("--middleware", f"{__name__}.{Recorder.__name__}"), {RECORD_ENV: str(directory), "PYTHONPATH": str(ROOT)}
 
 
 class Recorder:

@@ -35,8 +35,8 @@ from simulate.fakes.sse_client import Streamed
 from simulate.vllm.server import VllmServer, start_servers
 from simulate.vllm.transcripts import TRANSCRIPTS, Transcript
 from tests.chat_messages import same_chat
-from tests.engines import engine_record
 from tests.engines.conftest import TOOLS
+from tests.engines.engine_record import recording
 from tests.engines.parsed_streams import (
     best_end,
     broken_at,
@@ -53,7 +53,6 @@ from tests.engines.parsed_streams import (
 from tests.engines.test_gateway_vllm import gather_streams, live, longest_silence, started, until
 from tests.gateway_harness import Running, gateway, metric, readiness
 
-ROOT = Path(__file__).resolve().parents[2]
 PARSERS = ("deepseek_r1", "qwen3")
 PER_TRANSCRIPT = 14  # cut points per transcript and parser, spread over its tokens, besides those at its markers
 MARKER_TEXT = {"think_end": "</think>", "tool_start": "<tool_call>", "tool_end": "</tool_call>"}
@@ -69,8 +68,7 @@ PLACED, ATTEMPTS = 24, 10
 @dataclass(frozen=True)
 class Parsed:
     parser: str
-    servers: list[VllmServer]
-    recorded: Path  # what the servers were asked and sent (tests/engines/engine_record.py)
+    servers: list[VllmServer]  # each recording what it was asked and sent (tests/engines/engine_record.py)
 
     def flags(self) -> tuple[str, ...]:
         return ("--reasoning-parser", self.parser, "--tool-call-parser", "hermes")
@@ -84,21 +82,19 @@ def parsed(
     then stopped, the third is the stopped one's spare. One parser's at a time: a server takes 2.4 GB here, and
     the session's own two run meanwhile."""
     parser: str = request.param
-    recorded = tmp_path_factory.mktemp(f"{parser}-recorded")
-    servers = _started(3, thinking_vllm_model, tmp_path_factory.mktemp(parser), (parser, *TOOLS), recorded)
+    servers = _started(3, thinking_vllm_model, tmp_path_factory.mktemp(parser), (parser, *TOOLS))
     try:
-        yield Parsed(parser, servers, recorded)
+        yield Parsed(parser, servers)
     finally:
         for server in servers:
             server.stop()
 
 
-def _started(count: int, model: Path, log_dir: Path, args: tuple[str, ...], recorded: Path) -> list[VllmServer]:
+def _started(count: int, model: Path, log_dir: Path, args: tuple[str, ...]) -> list[VllmServer]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    extra = ("--reasoning-parser", *args, "--middleware", f"{engine_record.__name__}.{engine_record.Recorder.__name__}")
-    env = {engine_record.RECORD_ENV: str(recorded), "PYTHONPATH": str(ROOT)}
-    ports = [free_port() for _ in range(count)]
-    return start_servers(ports, model=model, log_dir=log_dir, extra_args=extra, env=env)
+    middleware, env = recording(log_dir)
+    extra = ("--reasoning-parser", *args, *middleware)
+    return start_servers([free_port() for _ in range(count)], model=model, log_dir=log_dir, extra_args=extra, env=env)
 
 
 @dataclass(frozen=True)
@@ -262,7 +258,7 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
     # what the servers were asked and sent, recorded in their own processes, so that their ends are their own.
     references = [[i for i in token_ids(want[w.transcript.name]) if i is not None] for _, w, _ in broken]
     users = [f"{parser}-{ending}-{attempt}-{n}" for n, _, _ in broken]
-    recorded = proxies.Recorded.read(parsed.recorded)
+    recorded = proxies.Recorded.of(*parsed.servers)
     assert all(len(proxies.legs_of(user, recorded)) >= 2 for user in users)  # each broken, then continued
     excused = proxies.engine_diverged(list(zip(whats, users, references, strict=True)), recorded)
     results = [
