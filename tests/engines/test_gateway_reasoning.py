@@ -149,6 +149,11 @@ async def keyed_by_user(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
     yield
 
 
+def assert_whole(s: Streamed, *, what: str) -> None:
+    """One role, one finish reason and one ``[DONE]``, no error: what an excused stream must still be."""
+    assert (s.status, s.done, s.errors, s.roles, len(s.finish_reasons)) == (200, 1, [], ["assistant"], 1), what
+
+
 async def cut_streams(gw: Running) -> float:
     return sum([await metric(gw, f'spotdrain_gateway_cuts_total{{reason="{r}"}}') for r in ("reasoning", "tool_call")])
 
@@ -197,9 +202,8 @@ async def test_parsed_streams_dropped_anywhere_continue_to_the_uninterrupted_mes
         elif n not in excused:
             assert token_ids(g) == token_ids(want[c.transcript.name])
     for n, own in excused.items():  # whole all the same, and with the engine's tokens where asked
-        g = got[n]
-        assert (g.status, g.done, g.errors, g.roles, len(g.finish_reasons)) == (200, 1, [], ["assistant"], 1), whats[n]
-        assert n % 3 or token_ids(g) == own, whats[n]
+        assert_whole(got[n], what=whats[n])
+        assert n % 3 or token_ids(got[n]) == own, whats[n]
     assert all(ok for n, (_, ok) in enumerate(results) if n not in excused), [
         whats[n] for n, (_, ok) in enumerate(results) if not ok and n not in excused
     ]
@@ -277,15 +281,8 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
     if 0 not in owns:  # the lead asked for its ids
         assert token_ids(streams[0]) == token_ids(want[waves[0].transcript.name])
     for n, (what, own) in owns.items():  # whole all the same, and the lead with the engine's tokens
-        got = streams[n]
-        assert (got.status, got.done, got.errors, got.roles, len(got.finish_reasons)) == (
-            200,
-            1,
-            [],
-            ["assistant"],
-            1,
-        ), what
-        assert n or token_ids(got) == own, what
+        assert_whole(streams[n], what=what)
+        assert n or token_ids(streams[n]) == own, what
     assert all(ok for k, (_, ok) in enumerate(results) if k not in excused), [
         whats[k] for k, (_, ok) in enumerate(results) if not ok and k not in excused
     ]
