@@ -138,6 +138,11 @@ async def reached(lead: Streamed, count: int) -> None:
             await asyncio.sleep(0.01)
 
 
+def wave_user(name: str, n: int) -> str:
+    """The ``user`` of ``in_waves``' ``n``-th stream under ``name``: what ties its continuations to it."""
+    return f"{name}-{n}"
+
+
 async def in_waves(gw: Running, waves: list[Wave], name: str, stack: AsyncExitStack) -> list[Streamed]:
     """``waves``' streams through the gateway, each started when the first (the lead, asking for its ids) is as far
     ahead as it is to be when the server ends; returns once all have started, the lead first. Leaving ``stack``
@@ -146,7 +151,7 @@ async def in_waves(gw: Running, waves: list[Wave], name: str, stack: AsyncExitSt
     for n, wave in enumerate(waves):
         if streams:
             await reached(streams[0], waves[0].at - wave.at)
-        call = request(wave.transcript, f"{name}-{n}", asks_ids=not streams)
+        call = request(wave.transcript, wave_user(name, n), asks_ids=not streams)
         (streamed,), _ = await stack.enter_async_context(through(gw, [call]))
         streams.append(streamed)
     return streams

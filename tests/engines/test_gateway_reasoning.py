@@ -49,6 +49,7 @@ from tests.engines.parsed_streams import (
     token_ids,
     tokens,
     uninterrupted,
+    wave_user,
 )
 from tests.engines.test_gateway_vllm import gather_streams, live, longest_silence, started, until
 from tests.gateway_harness import Running, gateway, metric, readiness
@@ -232,7 +233,8 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
                 ready[1] = False  # every stream starts on the first server
                 await until(gw, READY, 1)
                 async with AsyncExitStack() as stack:
-                    streams = await in_waves(gw, waves, f"{parser}-{ending}-{attempt}", stack)
+                    name = f"{parser}-{ending}-{attempt}"
+                    streams = await in_waves(gw, waves, name, stack)
                     await started(streams, tokens=1)
                     if (refused := sum(s.status != 200 for s in streams)) and attempt < ATTEMPTS:
                         # A failed ready check on a loaded machine (seen once: the server out of rotation for 3 s)
@@ -261,7 +263,7 @@ async def test_parsed_streams_on_a_server_ended_inside_their_calls_continue_to_t
     # Judged against its reference only where the engine decoded it as the reference, as the dropped streams are:
     # what the servers were asked and sent, recorded in their own processes, so that their ends are their own.
     references = [[i for i in token_ids(want[w.transcript.name]) if i is not None] for _, w, _ in broken]
-    users = [f"{parser}-{ending}-{attempt}-{n}" for n, _, _ in broken]
+    users = [wave_user(name, n) for n, _, _ in broken]
     recorded = proxies.Recorded.of(*parsed.servers)
     assert all(len(proxies.legs_of(user, recorded)) >= 2 for user in users)  # each broken, then continued
     excused = proxies.engine_diverged(list(zip(whats, users, references, strict=True)), recorded)
