@@ -24,8 +24,8 @@ from gateway.token_ids import hide
 
 # A JSON string's content that means its own bytes (no escape, no control character), up to its closing quote.
 _PLAIN = re.compile(rb'[^"\\\x00-\x1f]*(?=")')
-# One id in JSON (no leading zero), small enough for the splicer's 8-byte ids, and the list's end.
-_ID = re.compile(rb"(0|[1-9][0-9]{0,17})\]")
+_ID_DIGITS = 18  # an id's digits at most: one the splicer's 8-byte ids hold
+_CLOSE, _ZERO = ord("]"), ord("0")
 _SPACE = b" \t\n\r"
 
 
@@ -55,10 +55,13 @@ class Shape:
         at = close + len(self.middle)
         if not self.ids:
             return (text, None, at) if at == len(data) else None
-        token = _ID.match(data, at)
-        if token is None or len(data) - token.end() != len(self.tail) or not data.endswith(self.tail):
+        end = len(data) - len(self.tail) - 1  # where the ids' "]" is
+        token = data[at:end] if at < end else b""  # one id in JSON (no leading zero), that 8 bytes hold
+        if not (token.isdigit() and len(token) <= _ID_DIGITS and data[end] == _CLOSE and data.endswith(self.tail)):
             return None
-        return text, int(token.group(1)), at - 1
+        if token[0] == _ZERO and len(token) > 1:
+            return None
+        return text, int(token), at - 1
 
 
 def _utf8(text: bytes) -> bool:

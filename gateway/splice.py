@@ -205,21 +205,20 @@ class Splicer:
         if slots is None:
             return None
         text, token, ids_at = slots
-        self.text += text  # the first backend's: nothing of it is behind
+        whole = self.text
+        whole += text  # the first backend's: nothing of it is behind
         if token is not None:
-            self.tokens += 1
-            if self.token_ids is not None:
-                self.token_ids.append(token)
+            tokens = self.tokens = self.shown = self.tokens + 1  # the first backend's: the client has every token
+            if (ids := self.token_ids) is not None:
+                ids.append(token)
             if text:
-                self.resume_ids, self.resume_text = self.tokens, len(self.text)
+                self.resume_ids, self.resume_text = tokens, len(whole)
+            if self.hide_ids:
+                assert shape is not None
+                return hidden(shape, event, ids_at)
         elif text:
-            self.tokens += 1
+            self.tokens = self.shown = self.tokens + 1
             self.token_ids = None
-        if self.tokens > self.shown:
-            self.shown = self.tokens
-        if self.hide_ids and token is not None:
-            assert shape is not None
-            return hidden(shape, event, ids_at)
         return event
 
     def _new_text(self, piece: str) -> str:

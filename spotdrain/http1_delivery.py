@@ -15,6 +15,20 @@ from spotdrain.http1_reads import Reads
 
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size without extensions: int() would take "-5", "0x5" or "1_0"
 _LINE_HELD_BYTES = 64  # a chunk size line cut by a read, kept for the next; longer is the framing's to refuse
+_HEADS: dict[int, bytes] = {}  # a read's length -> the size line of the one chunk it would be (b"": none), as made
+_HEADS_UP_TO = 4096  # reads longer than this have theirs made each time (its cost is small beside theirs)
+
+
+def _head(end: int) -> bytes:
+    """The size line of a chunk whose size line, data and CRLF are ``end`` bytes; b"" where there is none."""
+    digits = len(b"%x" % max(end - 4, 0))
+    head = b""
+    for size in (end - 4 - digits, end - 3 - digits):  # its size has as many hex digits as end - 4, or one fewer
+        if size > 0 and len(b"%x\r\n" % size) + size + 2 == end:
+            head = b"%x\r\n" % size
+    if end <= _HEADS_UP_TO:
+        _HEADS[end] = head
+    return head
 
 
 class Delivery:
@@ -44,9 +58,10 @@ class Delivery:
             return
         if self.left == 0 and not self.line:  # the read, if it is one whole chunk, by its size: no search, no parse
             end = len(data)
-            size = end - 4 - len(b"%x" % (end - 4))
-            head = b"%x\r\n" % size
-            if size > 0 and len(head) + size + 2 == end and data.startswith(head) and data.endswith(b"\r\n"):
+            head = _HEADS.get(end)
+            if head is None:
+                head = _head(end)
+            if head and data.startswith(head) and data.endswith(b"\r\n"):
                 self.give(data[len(head) : end - 2])
                 return
         self.deliver(data)

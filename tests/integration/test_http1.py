@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulate.fakes.processes import free_port
-from spotdrain import http1
+from spotdrain import http1, http1_delivery
 from spotdrain.http1_reads import BUFFER, Reads
 
 Reader = Callable[[http1.Answer], Awaitable[bytes]]
@@ -171,6 +171,13 @@ async def test_a_chunked_body_read_by_read_comes_out_whole_with_reads_of_whole_c
     reads = split(wire, [starts[at % len(starts)] for at in whole] + cuts)  # mostly whole chunks, some cut
     head = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
     assert await delivered_read_by_read(head, reads, stop_every=stop_every) == b"".join(events)
+
+
+def test_the_size_line_of_a_read_that_is_one_chunk_is_that_chunks_and_only_short_reads_keep_theirs() -> None:
+    for end in [*range(70_000), 1 << 20, (1 << 20) + 5]:
+        lines = [b"%x\r\n" % (end - 4 - d) for d in range(1, 17) if len(b"%x" % max(end - 4 - d, 0)) == d]
+        assert http1_delivery._head(end) == next((line for line in lines if end > 5), b""), end
+        assert (end in http1_delivery._HEADS) == (end <= http1_delivery._HEADS_UP_TO)
 
 
 @pytest.mark.parametrize(
