@@ -79,7 +79,7 @@ class Rejected:
 class ClientStream:
     """The answer to the client: its head goes out with the first backend that streams; writes are bounded."""
 
-    __slots__ = ("connection", "gap_from", "last_write", "on_gap", "started", "write_timeout_s")
+    __slots__ = ("connection", "gap_from", "held", "last_write", "on_gap", "started", "write_timeout_s")
 
     def __init__(self, connection: Connection, *, write_timeout_s: float, on_gap: Callable[[float], None]) -> None:
         self.connection = connection
@@ -88,6 +88,7 @@ class ClientStream:
         self.started = False
         self.last_write = time.monotonic()
         self.gap_from: float | None = None  # set at a break, until the continuation's first chunk
+        self.held = b""  # the answer's last content, for the stream's last write
 
     def start(self, headers: Mapping[str, str]) -> None:
         if not self.started:
@@ -109,13 +110,20 @@ class ClientStream:
         except ConnectionError as error:
             raise ClientGone(str(error)) from None
         if content:
-            if now is None:
-                now = time.monotonic()
-            if self.gap_from is not None:
-                self.on_gap(now - self.gap_from)
-                self.gap_from = None
-            self.last_write = now
+            self._wrote(time.monotonic() if now is None else now)
         return full
+
+    def hold(self, data: bytes, now: float) -> None:
+        """``data``, the answer's last content (its finish, read with its ``[DONE]``), to go with the stream's end:
+        one write, and one wakeup of the client, not two."""
+        self.held += data
+        self._wrote(now)
+
+    def _wrote(self, now: float) -> None:
+        if self.gap_from is not None:
+            self.on_gap(now - self.gap_from)
+            self.gap_from = None
+        self.last_write = now
 
     async def drain(self) -> None:
         """Until the client has read enough, within the write timeout."""
@@ -126,8 +134,9 @@ class ClientStream:
             raise ClientGone(str(error)) from None
 
     async def end(self, last: bytes) -> None:
-        """``last`` and the stream's end, in one write (one wakeup of the client, not two), then as ``drain``; a
-        client that does not read them within the write timeout has its connection ended."""
+        """What is held, ``last`` and the stream's end, in one write (one wakeup of the client, not two), then as
+        ``drain``; a client that does not read them within the write timeout has its connection ended."""
+        last, self.held = self.held + last, b""
         try:
             full = self.connection.finish(last)
         except ConnectionError as error:
@@ -299,5 +308,8 @@ class _Events:
             if step.end is not None:
                 self.end = step.end
                 break
+        if out and isinstance(self.end, Finished):  # the caller ends the stream next: one write for both
+            self.client.hold(b"".join(out), now)
+            return True
         full = self.client.send(b"".join(out), now=now) if out else False
         return full or self.end is not None

@@ -125,14 +125,16 @@ def test_split_reads_and_merged_events_reach_the_client_as_the_full_parse_relays
         for block in reads:
             if events.take(block) and events.end is not None:
                 break
-        got.append((b"".join(client.sent), events.end, events.splicer.text, events.splicer.token_ids))
+        sent = b"".join(client.sent) + stream_.held  # the finish read with its [DONE] goes with the stream's end
+        got.append((sent, events.end, events.splicer.text, events.splicer.token_ids))
     assert got[0] == got[1]
     assert got[0][1] == ends.Finished()
 
 
 class Recorded:
-    """The client's connection, recording what it is sent: gateway.server.Connection.send's part, a client that
-    reads as fast as it is written (False: its buffer is never full)."""
+    """The client's connection, recording each write: gateway.server.Connection's ``send`` and ``finish`` (which
+    writes the stream's end with its last piece), a client that reads as fast as it is written (False: its buffer
+    is never full)."""
 
     def __init__(self) -> None:
         self.sent: list[bytes] = []
@@ -140,6 +142,40 @@ class Recorded:
     def send(self, data: bytes) -> bool:
         self.sent.append(data)
         return False
+
+    def finish(self, last: bytes) -> bool:
+        self.sent.append(last + END)
+        return False
+
+
+END = b"<the chunked end>"
+
+
+def relayed() -> tuple[_Events, ClientStream, Recorded]:
+    client = Recorded()
+    stream = ClientStream(client, write_timeout_s=1.0, on_gap=lambda _: None)  # type: ignore[arg-type]
+    return _Events(Splicer(chat=False, include_usage=False, hide_ids=True), stream, Mover()), stream, client
+
+
+async def test_a_finish_read_with_its_done_goes_out_with_the_streams_end_in_one_write() -> None:
+    events, stream, client = relayed()
+    assert events.take(event(vllm_chunk(" a", [5]))) is False
+    assert events.take(event(vllm_chunk(" b", [6], finish_reason="length")) + ends.DONE) is True
+    assert events.end == ends.Finished()
+    assert client.sent == [event(vllm_chunk(" a", None))]  # the finish is held: the stream's end comes next
+    await stream.end(events.splicer.tail())
+    assert client.sent[1:] == [event(vllm_chunk(" b", None, finish_reason="length")) + ends.DONE + END]
+    assert stream.held == b""
+
+
+async def test_a_finish_read_alone_goes_out_at_once() -> None:
+    events, stream, client = relayed()
+    last = event(vllm_chunk(" b", [6], finish_reason="length"))
+    assert events.take(last) is False
+    assert client.sent == [event(vllm_chunk(" b", None, finish_reason="length"))]
+    assert events.take(ends.DONE) is True
+    await stream.end(events.splicer.tail())
+    assert client.sent[1:] == [ends.DONE + END]
 
 
 def test_a_vllm_stream_is_parsed_for_its_first_chunks_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,7 +268,10 @@ SHAPE = Shape(b'data: {"choices":[{"text":"', b'","token_ids":[', b"}]}\n\n", id
         (b'{"choices":[{"text":"a\nb","token_ids":[5]}]}', None),  # a control character
         (b'{"choices":[{"text":"\xe6\x97","token_ids":[5]}]}', None),  # half a character
         (b'{"choices":[{"text":" a","token_ids":[05]}]}', None),
+        (b'{"choices":[{"text":" a","token_ids":[123456789012345678]}]}', (b" a", 123456789012345678, 37)),
         (b'{"choices":[{"text":" a","token_ids":[1234567890123456789]}]}', None),  # past 18 digits
+        (b'{"choices":[{"text":" a","token_ids":[-5]}]}', None),
+        (b'{"choices":[{"text":" a","token_ids":[5 ]}]}', None),
         (b'{"choices":[{"text":" a","token_ids":[5,6]}]}', None),
         (b'{"choices":[{"text":" a","token_ids":[]}]}', None),
         (b'{"choices":[{"text":" a","token_ids":[5]}]', None),  # the tail cut
