@@ -205,14 +205,13 @@ class Splicer:
         if slots is None:
             return None
         text, token, ids_at = slots
-        whole = self.text
-        whole += text  # the first backend's: nothing of it is behind
+        self.text += text  # the first backend's: nothing of it is behind
         if token is not None:
             tokens = self.tokens = self.shown = self.tokens + 1  # the first backend's: the client has every token
             if (ids := self.token_ids) is not None:
                 ids.append(token)
             if text:
-                self.resume_ids, self.resume_text = tokens, len(whole)
+                self.resume_ids, self.resume_text = tokens, len(self.text)
             if self.hide_ids:
                 assert shape is not None
                 return hidden(shape, event, ids_at)
