@@ -308,8 +308,9 @@ class _Events:
             if step.end is not None:
                 self.end = step.end
                 break
-        if out and isinstance(self.end, Finished):  # the caller ends the stream next: one write for both
+        if not out:
+            return self.end is not None
+        if isinstance(self.end, Finished):  # the caller ends the stream next: one write for both
             self.client.hold(b"".join(out), now)
             return True
-        full = self.client.send(b"".join(out), now=now) if out else False
-        return full or self.end is not None
+        return self.client.send(b"".join(out), now=now) or self.end is not None
