@@ -7,6 +7,7 @@ Every await is bounded: connecting by ``connect_s``, each read from the backend 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,18 +49,23 @@ def forwarded(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED)
 
 
-_NOT_FORWARDED_NAMES = frozenset(name.encode() for name in _NOT_FORWARDED)
+def _dropping(names: frozenset[str]) -> re.Pattern[bytes]:
+    """What a header line named one of ``names`` is, after the CRLF before it."""
+    alternatives = b"|".join(re.escape(name.encode()) for name in sorted(names))
+    return re.compile(rb"\r\n(?:" + alternatives + rb"):[^\r]*", re.IGNORECASE)
+
+
+_DROPPED = _dropping(_NOT_FORWARDED)
+_DROPPED_AND_TYPE = _dropping(_NOT_FORWARDED | {"content-type"})
 
 
 def forwarded_lines(head: bytes, *, content_type: bytes = b"") -> bytes:
     """The same from a request's header lines as the server read them (``Request.head``, each line already checked
-    there), as lines to send on: no mapping is built for a request that is only passed on. ``content_type``: the
-    client's replaced by this one."""
-    dropped = _NOT_FORWARDED_NAMES | {b"content-type"} if content_type else _NOT_FORWARDED_NAMES
-    kept = [line for line in head.split(b"\r\n") if line and line[: line.find(b":")].lower() not in dropped]
-    if content_type:
-        kept.append(b"Content-Type: " + content_type)
-    return b"".join(line + b"\r\n" for line in kept)
+    there: a line break is the CRLF between lines), as lines to send on, in one pass over them: no mapping is built
+    for a request that is only passed on. ``content_type``: the client's replaced by this one."""
+    kept = (_DROPPED_AND_TYPE if content_type else _DROPPED).sub(b"", b"\r\n" + head) if head else b""
+    lines = kept[2:] + b"\r\n" if kept else b""
+    return lines + b"Content-Type: " + content_type + b"\r\n" if content_type else lines
 
 
 class ClientGone(Exception):

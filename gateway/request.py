@@ -14,6 +14,11 @@ _DECIMAL = re.compile(r"[0-9]{1,18}")
 # Control characters (RFC 9110 section 5.5 allows none but HTAB in a field value): a bare LF passed on to a backend
 # would be a line break there, a header the client smuggled into the gateway's own request.
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# Header lines as ``header_lines`` takes them, all at once: a token, a colon, a value without a control character,
+# CRLF between lines. A line break can only be that CRLF, so a field found after an LF starts a line.
+_LINE = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*"
+_LINES = re.compile(_LINE + rb"(?:\r\n" + _LINE + rb")*")
+_FRAMING = re.compile(rb"\n(connection|content-length|transfer-encoding|expect):([^\r]*)")  # in lowercase lines
 
 
 class BadRequest(Exception):
@@ -60,7 +65,10 @@ def header_lines(head: bytes) -> CIMultiDict[str]:
 
 def parse_head(data: bytes) -> tuple[Request, int | None, bool]:
     """A request's head (without its blank line): the request, its body's length (None: chunked), and whether it
-    expects ``100 Continue`` before sending the body; raises BadRequest."""
+    expects ``100 Continue`` before sending the body; raises BadRequest.
+
+    The header lines are checked in one match and the four fields the framing needs read in one search: a stream's
+    request is passed on as its lines (``relay.forwarded_lines``), so no mapping is built for it here."""
     line, _, head = data.partition(b"\r\n")
     parts = line.decode("latin-1").split(" ")
     method, target, version = parts if len(parts) == 3 else ("", "", "")
@@ -71,12 +79,17 @@ def parse_head(data: bytes) -> tuple[Request, int | None, bool]:
         or version not in ("HTTP/1.1", "HTTP/1.0")
     ):
         raise BadRequest(400, f"not a request line: {line[:80]!r}")
-    headers = header_lines(head)
-    options = {token.strip().lower() for token in ",".join(headers.getall("Connection", [])).split(",")}
+    if head and not _LINES.fullmatch(head):
+        bad = next(line for line in head.split(b"\r\n") if not _LINES.fullmatch(line))
+        raise BadRequest(400, f"not a header line: {bad.decode('latin-1')[:80]!r}")
+    fields: dict[bytes, list[str]] = {b"connection": [], b"content-length": [], b"transfer-encoding": [], b"expect": []}
+    for name, value in _FRAMING.findall(b"\n" + head.lower()):  # the four fields' values are read in lowercase
+        fields[name].append(value.strip(b" \t").decode("latin-1"))
+    options = {token.strip().lower() for token in ",".join(fields[b"connection"]).split(",")}
     chunked = version == "HTTP/1.1"
     closes = "close" in options or not chunked  # a stream to HTTP/1.0 cannot be chunked: its end is the close
-    lengths = set(headers.getall("Content-Length", []))
-    coding = ",".join(headers.getall("Transfer-Encoding", [])).lower().replace(" ", "")
+    lengths = set(fields[b"content-length"])
+    coding = ",".join(fields[b"transfer-encoding"]).lower().replace(" ", "")
     if coding and lengths:  # RFC 9112 section 6.1: a request with both is an attempt at smuggling
         raise BadRequest(400, "both Transfer-Encoding and Content-Length")
     if coding and coding != "chunked":
@@ -84,6 +97,6 @@ def parse_head(data: bytes) -> tuple[Request, int | None, bool]:
     length = next(iter(lengths), "0")
     if len(lengths) > 1 or not _DECIMAL.fullmatch(length):
         raise BadRequest(400, f"Content-Length {sorted(lengths)!r}")
-    expects = headers.get("Expect", "").lower() == "100-continue"
+    expects = next(iter(fields[b"expect"]), "").lower() == "100-continue"
     request = Request(method=method, target=target, head=head, closes=closes, chunked=chunked)
     return request, None if coding else int(length), expects

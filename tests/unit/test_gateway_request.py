@@ -85,3 +85,54 @@ def test_a_heads_lines_passed_on_are_the_headers_passed_on(fields: list[tuple[st
     (line, _, head), (their_line, _, their_head) = (raw.removesuffix(b"\r\n\r\n{}").partition(b"\r\n") for raw in sent)
     assert line == their_line == b"POST /p HTTP/1.1"
     assert header_lines(head) == header_lines(their_head)
+
+
+def _by_mapping(head: bytes, version: str) -> tuple[bool, int | None, bool] | int:
+    """What a request's header lines say of its framing, read from ``header_lines``' mapping of them: whether the
+    connection closes, the body's length (None: chunked) and whether it expects ``100 Continue``; or the status a
+    head it refuses gets."""
+    try:
+        headers = header_lines(head)
+    except BadRequest as error:
+        return error.status
+    options = {token.strip().lower() for token in ",".join(headers.getall("Connection", [])).split(",")}
+    lengths = set(headers.getall("Content-Length", []))
+    coding = ",".join(headers.getall("Transfer-Encoding", [])).lower().replace(" ", "")
+    if coding and lengths:
+        return 400
+    if coding and coding != "chunked":
+        return 501
+    length = next(iter(lengths), "0")
+    if len(lengths) > 1 or not (length.isascii() and length.isdigit() and len(length) <= 18):
+        return 400
+    closes = "close" in options or version == "HTTP/1.0"
+    return closes, None if coding else int(length), headers.get("Expect", "").lower() == "100-continue"
+
+
+_FRAMING_NAMES = st.sampled_from(
+    ["Connection", "connection", "CONTENT-LENGTH", "Content-Length", "Transfer-Encoding", "transfer-encoding", "Expect"]
+)
+_ANY_NAME = _FRAMING_NAMES | _NAMES | st.sampled_from(["", "X y", "X\n", "Con\rnection", "Expect ", "\x00"])
+_ODD_VALUES = ["5", " 12 ", "1_0", "\xb2", "chunked", "Chunked, gzip", " close", "keep-alive, Close", "100-Continue"]
+_ANY_VALUE = _VALUES | st.sampled_from([*_ODD_VALUES, "a\x7fb"]) | st.text(st.characters(max_codepoint=255), max_size=8)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    st.lists(st.tuples(_ANY_NAME, st.sampled_from([":", ": ", "", " :"]), _ANY_VALUE), max_size=8),
+    st.sampled_from(["HTTP/1.1", "HTTP/1.0"]),
+)
+def test_a_heads_framing_is_what_its_parsed_headers_say(fields: list[tuple[str, str, str]], version: str) -> None:
+    """The framing read from a head in one pass over its lines is the one its headers' mapping gives, and a head one
+    refuses, the other refuses with the same status."""
+    head = "\r\n".join(name + colon + value for name, colon, value in fields).encode("latin-1")
+    want = _by_mapping(head, version)
+    data = f"POST / {version}".encode() + (b"\r\n" + head if head else b"")
+    if isinstance(want, int):
+        with pytest.raises(BadRequest) as raised:
+            parse_head(data)
+        assert raised.value.status == want
+        return
+    request, length, expects = parse_head(data)
+    assert (request.closes, length, expects) == want
+    assert request.head == head
