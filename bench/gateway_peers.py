@@ -34,6 +34,7 @@ from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 from bench.common import CpuMark, Result, tree_rss_mb
+from bench.compiled import Unbuilt, built
 from bench.peer_figures import CONTINUED, DIRECT, LOADS, Load, Run, Target, merged, results, table
 from bench.peer_routers import LITELLM_SKIPPED, Missing, Peer, argv_for, routers
 from gateway.cpus import default_workers
@@ -42,6 +43,7 @@ from simulate.fakes.processes import free_port, wait_http
 ROUNDS = int(os.environ.get("SPOTDRAIN_BENCH_ROUNDS", "3"))
 SPOTDRAIN = f"spotdrain ({default_workers()} workers)"
 SPOTDRAIN_ONE = "spotdrain (1 worker)"
+SPOTDRAIN_SOURCE = f"spotdrain from source ({default_workers()} workers)"
 FLOOR = f"Python floor ({default_workers()} workers)"
 FLOOR_ONE = "Python floor (1 worker)"
 
@@ -65,17 +67,20 @@ async def started(argv: Sequence[str], log: Path, health: str) -> AsyncIterator[
         await process.wait()
 
 
-def ours(*, workers: int | None = None) -> Peer:
-    """The gateway as a target: at its default ``--workers``, or at ``workers``."""
+def ours(*, workers: int | None = None, compiled: Path | None = None, name: str | None = None) -> Peer:
+    """The gateway as a target, at its default ``--workers`` or at ``workers``: its relay path compiled, as its image
+    ships it, from ``compiled`` (bench/compiled.py; first on the path, the working directory not on it), or run from
+    the source."""
     extra = shlex.split(os.environ.get("SPOTDRAIN_BENCH_GATEWAY_ARGS", ""))
+    python = [sys.executable] if compiled is None else ["env", f"PYTHONPATH={compiled}", sys.executable, "-P"]
     argv = [
-        *(sys.executable, "-m", "spotdrain.cli", "--log-format", "json", "--log-level", "warning", "gateway"),
+        *(*python, "-m", "spotdrain.cli", "--log-format", "json", "--log-level", "warning", "gateway"),
         *("--host", "127.0.0.1", "--port", "{port}", "--metrics-port", "{metrics_port}", "--backend", "{backend}"),
         *extra,
     ]
     if workers is None:
-        return Peer(SPOTDRAIN, argv)
-    return Peer(SPOTDRAIN_ONE, [*argv, "--workers", str(workers)])
+        return Peer(name or SPOTDRAIN, argv)
+    return Peer(name or SPOTDRAIN_ONE, [*argv, "--workers", str(workers)])
 
 
 def floor(*, workers: int | None = None) -> Peer:
@@ -140,9 +145,10 @@ async def _peak(target: Target) -> None:
         await asyncio.sleep(0.1)
 
 
-async def play(workdir: Path, load: Load, peers: list[Peer]) -> list[Target]:
+async def play(workdir: Path, load: Load, peers: list[Peer], compiled: Path | None) -> list[Target]:
     """The backend at ``load``'s pace, every target in front of it (the floor left out where the load breaks
-    streams), ``ROUNDS`` interleaved rounds."""
+    streams), ``ROUNDS`` interleaved rounds. The gateway is ``compiled``'s where it was built (and from the source
+    beside it), else from the source."""
     backend_port = free_port()
     backend = f"http://127.0.0.1:{backend_port}"
     source = [sys.executable, "-m", "bench.sse_source", "--port", str(backend_port), "--interval", str(load.interval_s)]
@@ -150,7 +156,9 @@ async def play(workdir: Path, load: Load, peers: list[Peer]) -> list[Target]:
     others = peers if load.break_every else [floor(), floor(workers=1), *peers]
     async with started(source, workdir / "backend.log", f"{backend}/health"):
         targets = [Target(DIRECT, f"{backend}/v1/completions", None)]
-        await _with(workdir, load, [ours(), ours(workers=1), *others], backend, targets)
+        gateways = [ours(compiled=compiled), ours(workers=1, compiled=compiled)]
+        gateways += [ours(name=SPOTDRAIN_SOURCE)] if compiled is not None else []
+        await _with(workdir, load, [*gateways, *others], backend, targets)
     return targets
 
 
@@ -183,12 +191,17 @@ async def measure() -> list[Result]:
     found = routers()
     peers = [p for p in found if isinstance(p, Peer)]
     missing = [m for m in found if isinstance(m, Missing)] + [Missing("LiteLLM", LITELLM_SKIPPED)]
+    compiled = built()
+    if isinstance(compiled, Unbuilt):
+        print(f"the gateway runs from the source: {compiled.reason}", file=sys.stderr)
+    gateway = None if isinstance(compiled, Unbuilt) else compiled
     with tempfile.TemporaryDirectory(prefix="spotdrain-bench-peers-") as name:
-        by_load = {load.name: await play(Path(name), load, peers) for load in (*LOADS, *CONTINUED)}
+        by_load = {load.name: await play(Path(name), load, peers, gateway) for load in (*LOADS, *CONTINUED)}
     targets = merged(by_load)
     print(table(targets), file=sys.stderr)
     for m in missing:
         print(f"{m.name}: skipped, {m.reason}", file=sys.stderr)
     peer_names = [p.name for p in peers]
-    figures = results(targets, missing, ours=SPOTDRAIN, peers=peer_names, floor=FLOOR, rounds=ROUNDS)
+    build = "compiled as its image ships it" if gateway else f"from the source ({compiled})"
+    figures = results(targets, missing, ours=SPOTDRAIN, peers=peer_names, floor=FLOOR, rounds=ROUNDS, build=build)
     return [*figures, *(Result.skip(f"gateway_peers_{m.name}", "x", 0, m.reason) for m in missing)]

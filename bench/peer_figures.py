@@ -172,14 +172,21 @@ def merged(by_load: dict[str, list[Target]]) -> list[Target]:
 
 
 def results(
-    targets: list[Target], missing: list[Missing], *, ours: str, peers: list[str], floor: str | None, rounds: int
+    targets: list[Target],
+    missing: list[Missing],
+    *,
+    ours: str,
+    peers: list[str],
+    floor: str | None,
+    rounds: int,
+    build: str = "",
 ) -> list[Result]:
     """The results: the target named ``ours`` against the ``peers`` measured; ``missing`` ones say why not. The
-    ``floor`` target's CPU per chunk is given beside ours."""
+    ``floor`` target's CPU per chunk is given beside ours; ``build`` says how ours was run."""
     direct, gateway = targets[0], next(t for t in targets if t.name == ours)
     measured = [t for t in targets if t.name in peers]
     least = next((t for t in targets if t.name == floor), None)
-    detail = rounds_detail(direct, rounds)
+    detail = rounds_detail(direct, rounds) + (f"; the gateway {build}" if build else "")
     out = [_exact(targets, detail)]
     one, five = LOADS[0].name, LOADS[2].name
     p90 = added(gateway, direct, one, 0.9)

@@ -204,8 +204,8 @@ async def relay(
         raise
     except http1.BadAnswer as error:
         return Broken("garbage", str(error))
-    except OSError as error:
-        return Broken("reset", str(error) or type(error).__name__)
+    except OSError as reset:
+        return Broken("reset", str(reset) or type(reset).__name__)
     finally:
         mover.attach(None)
         if answer is not None:
@@ -295,8 +295,8 @@ class _Events:
                 raise ClientGone(str(error)) from None
         try:
             events = self.parser.feed(data)
-        except EventTooLarge as error:
-            self.end = Broken("garbage", str(error))
+        except EventTooLarge as large:
+            self.end = Broken("garbage", str(large))
             return True
         return self._relay(events, now)
 

@@ -20,10 +20,10 @@ import contextlib
 import gc
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import structlog
 from aiohttp import web
@@ -100,9 +100,10 @@ async def serve(
     listening = None
     if turn is None:
         listening = await loop.create_server(lambda: Connection(server), host, port, reuse_address=True)
-        for sock in listening.sockets:
+        sockets: Sequence[socket.socket] = cast(Any, listening).sockets  # uvloop's are a list, asyncio's a tuple
+        for sock in sockets:
             bound_unsent(sock)  # Linux gives each accepted socket its listener's bound: set once, not per connection
-        port = listening.sockets[0].getsockname()[1] if listening.sockets else port
+        port = sockets[0].getsockname()[1] if sockets else port
     try:
         log.info("server.listening", server="api", host=host, port=port)
         # What the program made to start (modules, settings, the loop) lives as long as it does: the full

@@ -1,0 +1,91 @@
+"""The gateway as its image ships it, its relay path compiled (setup.py, ``SPOTDRAIN_COMPILE=1``; bench/compiled.py
+builds it): each compiled module loads as a C extension, and the gateway's unit and integration tests pass against
+them as they do against the source."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.compiled import Unbuilt, built
+from tests.install.engine import ROOT
+
+# The modules setup.py compiles, as the gateway imports them.
+COMPILED = (
+    "gateway.backends",
+    "gateway.chunk_shape",
+    "gateway.continuation",
+    "gateway.ends",
+    "gateway.proxy",
+    "gateway.relay",
+    "gateway.request",
+    "gateway.server",
+    "gateway.splice",
+    "gateway.sse",
+    "gateway.streaming",
+    "gateway.token_ids",
+    "spotdrain.framing",
+    "spotdrain.http1_delivery",
+    "spotdrain.http1_reads",
+)
+TESTS = ("unit/test_gateway*.py", "integration/test_gateway*.py", "integration/test_http1.py")
+# Tests that hand the relay a stand-in for the client's connection (a recorder, a Mock) or replace a module's
+# function from outside: compiled code takes only a gateway.server.Connection where its type says so, and calls its
+# own module's functions directly. What they check runs with real connections in the integration tests.
+STAND_INS = (
+    "unit/test_gateway_chunk_shape.py::test_split_reads_and_merged_events_reach_the_client_as_the_full_parse_relays_them",
+    "unit/test_gateway_chunk_shape.py::test_a_finish_read_with_its_done_goes_out_with_the_streams_end_in_one_write",
+    "unit/test_gateway_chunk_shape.py::test_a_finish_read_alone_goes_out_at_once",
+    "unit/test_gateway_chunk_shape.py::test_a_vllm_stream_is_parsed_for_its_first_chunks_only",
+    "integration/test_gateway_relay_connect.py::test_a_backend_that_takes_no_connection_is_a_timeout_named_by_the_connect_timeout",
+)
+RUN_TIMEOUT_S = 900.0
+
+
+@pytest.fixture(scope="module")
+def compiled() -> Path:
+    found = built()
+    if isinstance(found, Unbuilt):
+        pytest.skip(found.reason)
+    return found
+
+
+@pytest.fixture(scope="module")
+def tree(compiled: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The compiled package beside a copy of the tests: run from there, the compiled modules are the ones imported
+    (from the source tree, its own would be)."""
+    tree = tmp_path_factory.mktemp("compiled-tree")
+    for entry in compiled.iterdir():
+        if not entry.name.endswith(".dist-info") and entry.name != "bin":
+            (tree / entry.name).symlink_to(entry)
+    (tree / "bench").symlink_to(ROOT / "bench")  # the benchmarks' backend, which a test runs
+    shutil.copytree(ROOT / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(ROOT / "pyproject.toml", tree / "pyproject.toml")
+    return tree
+
+
+def test_the_relay_path_loads_as_c_extensions(tree: Path) -> None:
+    script = "import importlib, sys\nfor name in sys.argv[1:]: print(importlib.import_module(name).__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", script, *COMPILED], cwd=tree, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    files = done.stdout.split()
+    assert len(files) == len(COMPILED)
+    assert all(Path(f).name.endswith(".so") and Path(f).is_relative_to(tree) for f in files), files
+
+
+def test_the_gateways_tests_pass_against_it(tree: Path) -> None:
+    files = sorted(str(p.relative_to(tree)) for pattern in TESTS for p in (tree / "tests").glob(pattern))
+    assert len(files) > 10
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    argv += [f"--deselect=tests/{test}" for test in STAND_INS]
+    done = subprocess.run(argv, cwd=tree, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert done.returncode == 0, "\n".join(done.stdout.splitlines()[-60:]) + done.stderr[-2000:]
+    assert " passed" in summary, summary
+    assert f"{len(STAND_INS)} deselected" in summary, summary
