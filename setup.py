@@ -2,8 +2,9 @@
 
 ``SPOTDRAIN_COMPILE=1 pip install --no-build-isolation '.[gateway]'`` (with mypy and a C compiler installed, as
 Dockerfile.gateway's build stage has them) compiles the modules below with mypyc into C extensions that Python loads
-in place of their source: a stream's start and each chunk cost the gateway about a fifth less CPU (docs/gateway.md,
-"Compiled"). Without the variable the package is pure Python, as every other image and a development install have it.
+in place of their source: a stream's start and end cost the gateway about a fifth less CPU, and 500 streams of 40
+chunks an eighth less (docs/gateway.md, "Compiled"). Without the variable the package is pure Python, as every other
+image and a development install have it.
 """
 
 from __future__ import annotations

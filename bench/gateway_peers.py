@@ -69,10 +69,12 @@ async def started(argv: Sequence[str], log: Path, health: str) -> AsyncIterator[
 
 def ours(*, workers: int | None = None, compiled: Path | None = None, name: str | None = None) -> Peer:
     """The gateway as a target, at its default ``--workers`` or at ``workers``: its relay path compiled, as its image
-    ships it, from ``compiled`` (bench/compiled.py; first on the path, the working directory not on it), or run from
-    the source."""
+    ships it, from ``compiled`` (bench/compiled.py), or run from the source."""
     extra = shlex.split(os.environ.get("SPOTDRAIN_BENCH_GATEWAY_ARGS", ""))
-    python = [sys.executable] if compiled is None else ["env", f"PYTHONPATH={compiled}", sys.executable, "-P"]
+    # Where compiled: that directory first on the path, and the working directory not on it, in the workers too.
+    python = [sys.executable]
+    if compiled is not None:
+        python = ["env", f"PYTHONPATH={compiled}", "PYTHONSAFEPATH=1", sys.executable]
     argv = [
         *(*python, "-m", "spotdrain.cli", "--log-format", "json", "--log-level", "warning", "gateway"),
         *("--host", "127.0.0.1", "--port", "{port}", "--metrics-port", "{metrics_port}", "--backend", "{backend}"),
