@@ -194,9 +194,10 @@ async def measure() -> list[Result]:
     peers = [p for p in found if isinstance(p, Peer)]
     missing = [m for m in found if isinstance(m, Missing)] + [Missing("LiteLLM", LITELLM_SKIPPED)]
     compiled = built()
-    if isinstance(compiled, Unbuilt):
-        print(f"the gateway runs from the source: {compiled.reason}", file=sys.stderr)
     gateway = None if isinstance(compiled, Unbuilt) else compiled
+    build = f"from the source: {compiled.reason}" if isinstance(compiled, Unbuilt) else "compiled as its image has it"
+    if gateway is None:
+        print(f"the gateway runs {build}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="spotdrain-bench-peers-") as name:
         by_load = {load.name: await play(Path(name), load, peers, gateway) for load in (*LOADS, *CONTINUED)}
     targets = merged(by_load)
@@ -204,6 +205,5 @@ async def measure() -> list[Result]:
     for m in missing:
         print(f"{m.name}: skipped, {m.reason}", file=sys.stderr)
     peer_names = [p.name for p in peers]
-    build = "compiled as its image ships it" if gateway else f"from the source ({compiled})"
     figures = results(targets, missing, ours=SPOTDRAIN, peers=peer_names, floor=FLOOR, rounds=ROUNDS, build=build)
     return [*figures, *(Result.skip(f"gateway_peers_{m.name}", "x", 0, m.reason) for m in missing)]

@@ -17,9 +17,9 @@ from bench.compiled import Unbuilt, built
 from tests.install.engine import ROOT
 
 TESTS = ("unit/test_gateway*.py", "integration/test_gateway*.py", "integration/test_http1.py")
-# Its continuations of real vLLM's streams, dropped anywhere (make test-engines builds vLLM). The parsed chats'
-# (tests/engines/test_gateway_reasoning.py) are left to that tier, from the source: with them, this tier took 13 of
-# its 15 minutes.
+# Its continuations of real vLLM's streams, dropped anywhere (make test-engines builds vLLM). The parsed chats' tests
+# (tests/engines/test_gateway_reasoning.py) are left to that tier, from the source: with them, this tier took about 13
+# of its 15 minutes.
 ENGINE_TESTS = ("engines/test_gateway_vllm.py",)
 # Tests that hand the relay a stand-in for the client's connection (a recorder, a Mock) or replace a module's
 # function from outside: compiled code takes only a gateway.server.Connection where its type says so, and calls its
