@@ -1,10 +1,10 @@
 """The package as pyproject.toml describes it; with ``SPOTDRAIN_COMPILE=1``, the gateway's relay path compiled too.
 
-``SPOTDRAIN_COMPILE=1 pip install --no-build-isolation '.[gateway]'`` (with mypy and a C compiler installed, as
-Dockerfile.gateway's build stage has them) compiles the modules below with mypyc into C extensions that Python loads
-in place of their source: a stream's start and end cost the gateway about a fifth less CPU, and 500 streams of 40
-chunks an eighth less (docs/gateway.md, "Compiled"). Without the variable the package is pure Python, as every other
-image and a development install have it.
+``SPOTDRAIN_COMPILE=1 pip wheel --no-build-isolation --no-deps .``, where mypy, setuptools and the gateway's
+dependencies are installed and a C compiler is at hand (as in Dockerfile.gateway's build stage), compiles the
+modules below with mypyc into C extensions that Python loads in place of their source: a stream's start and end cost
+the gateway about a fifth less CPU, and 500 streams of 40 chunks an eighth less (docs/gateway.md, "Compiled").
+Without the variable the package is pure Python, as every other image and a development install have it.
 """
 
 from __future__ import annotations
