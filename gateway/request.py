@@ -9,14 +9,16 @@ import re
 
 from multidict import CIMultiDict
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # RFC 9110 section 5.6.2
-_DECIMAL = re.compile(r"[0-9]{1,18}")
+_TOKEN_CHARS = r"!#$%&'*+\-.^_`|~0-9A-Za-z"  # RFC 9110 section 5.6.2
 # Control characters (RFC 9110 section 5.5 allows none but HTAB in a field value): a bare LF passed on to a backend
 # would be a line break there, a header the client smuggled into the gateway's own request.
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_CONTROL_CHARS = r"\x00-\x08\x0a-\x1f\x7f"
+_TOKEN = re.compile(f"[{_TOKEN_CHARS}]+")
+_CONTROL = re.compile(f"[{_CONTROL_CHARS}]")
+_DECIMAL = re.compile(r"[0-9]{1,18}")
 # Header lines as ``header_lines`` takes them, all at once: a token, a colon, a value without a control character,
 # CRLF between lines. A line break can only be that CRLF, so a field found after an LF starts a line.
-_LINE = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*"
+_LINE = f"[{_TOKEN_CHARS}]+:[^{_CONTROL_CHARS}]*".encode()
 _LINES = re.compile(_LINE + rb"(?:\r\n" + _LINE + rb")*")
 _FRAMING = re.compile(rb"\n(connection|content-length|transfer-encoding|expect):([^\r]*)")  # in lowercase lines
 
